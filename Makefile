@@ -1,0 +1,41 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Everything else is set up here.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# A CPU build of torch; a plain `torch` requirement would pull a multi-GB CUDA build.
+TORCH  ?= torch==2.13.0
+
+.PHONY: setup demo test lint bench browser clean
+
+setup: $(VENV)/.stamp-setup
+
+$(VENV)/.stamp-setup: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+demo: setup
+	HF_HUB_OFFLINE=1 $(BIN)/stopcock demo
+
+test: setup browser
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+	$(BIN)/ruff check stopcock tests bench
+	$(BIN)/mypy
+
+lint: setup
+	$(BIN)/ruff check stopcock tests bench
+	$(BIN)/ruff format --check stopcock tests bench || true
+	$(BIN)/mypy
+
+bench: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench
+
+# Headless Chromium for the web page's end-to-end test (Debian's package; Playwright's own
+# browser download does not work offline).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

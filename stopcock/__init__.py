@@ -1,0 +1,64 @@
+"""stopcock: stop Hugging Face pipelines the right way.
+
+One stop signal for transformers and diffusers: stop from any thread, for any reason, within one
+step (or one block when aborting), with the reason, the step reached and the partial result.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .conditions import (
+    AllOf,
+    AnyOf,
+    Condition,
+    deadline,
+    max_steps,
+    stop_strings,
+    timeout,
+    when,
+)
+from .control import Abort
+from .outcome import Outcome
+from .runner import UnsupportedTarget, run
+from .signal import StopSignal
+from .state import StepState
+
+__version__ = "0.1.0"
+
+# Names that need a heavy library (torch, transformers, diffusers): imported on first use.
+_LAZY = {
+    "stopping_criteria": "stopcock.adapters.transformers",
+    "step_callback": "stopcock.adapters.diffusers",
+    "attach": "stopcock.adapters.diffusers",
+    "guard": "stopcock.adapters.diffusers",
+    "arun": "stopcock.aio",
+    "astream": "stopcock.aio",
+    "stream": "stopcock.stream",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'stopcock' has no attribute {name!r}")
+
+
+__all__ = [
+    "Abort",
+    "AllOf",
+    "AnyOf",
+    "Condition",
+    "Outcome",
+    "StepState",
+    "StopSignal",
+    "UnsupportedTarget",
+    "deadline",
+    "max_steps",
+    "run",
+    "stop_strings",
+    "timeout",
+    "when",
+    *_LAZY,
+]

@@ -1,0 +1,1 @@
+"""Bridges from the stop machinery into each library's own mechanisms."""

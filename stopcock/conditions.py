@@ -1,0 +1,258 @@
+"""Composable stop conditions: ``timeout(5) | max_steps(20)``.
+
+A condition is a reusable, stateless description. ``check(state)`` returns the reason to stop, or
+None. Time is measured from the start of each run (``state.elapsed``), so one condition object can
+serve many runs, concurrently too. ``|`` stops when any part does, ``&`` when all parts do.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from .signal import StopSignal
+from .state import StepState
+
+__all__ = [
+    "Condition",
+    "AnyOf",
+    "AllOf",
+    "Signalled",
+    "Timeout",
+    "Deadline",
+    "MaxSteps",
+    "StopStrings",
+    "When",
+    "timeout",
+    "deadline",
+    "max_steps",
+    "stop_strings",
+    "when",
+    "as_condition",
+]
+
+
+class Condition:
+    """Base class. Subclasses set ``reason`` and implement :meth:`check`."""
+
+    reason: str = "condition"
+
+    def check(self, state: StepState) -> str | None:
+        raise NotImplementedError
+
+    def __or__(self, other: object) -> AnyOf:
+        return AnyOf(self, as_condition(other))
+
+    def __ror__(self, other: object) -> AnyOf:
+        return AnyOf(as_condition(other), self)
+
+    def __and__(self, other: object) -> AllOf:
+        return AllOf(self, as_condition(other))
+
+    def __rand__(self, other: object) -> AllOf:
+        return AllOf(as_condition(other), self)
+
+    def parts(self) -> Iterable[Condition]:
+        """The leaf conditions inside this one (itself for a leaf)."""
+        yield self
+
+
+class _Composite(Condition):
+    def __init__(self, *conditions: Condition) -> None:
+        flat: list[Condition] = []
+        for c in conditions:
+            flat.extend(c.conditions if type(c) is type(self) else [c])  # type: ignore[attr-defined]
+        self.conditions: tuple[Condition, ...] = tuple(flat)
+
+    def parts(self) -> Iterable[Condition]:
+        for c in self.conditions:
+            yield from c.parts()
+
+    def __repr__(self) -> str:
+        return "(" + f" {self._op} ".join(map(repr, self.conditions)) + ")"
+
+    _op = "?"
+
+
+class AnyOf(_Composite):
+    """Stops when any part stops; the reason is that of the first part that fires."""
+
+    _op = "|"
+
+    def check(self, state: StepState) -> str | None:
+        for c in self.conditions:
+            reason = c.check(state)
+            if reason is not None:
+                return reason
+        return None
+
+
+class AllOf(_Composite):
+    """Stops when every part would stop; the reason joins theirs with ``&``."""
+
+    _op = "&"
+
+    def check(self, state: StepState) -> str | None:
+        reasons = []
+        for c in self.conditions:
+            reason = c.check(state)
+            if reason is None:
+                return None
+            reasons.append(reason)
+        return "&".join(reasons)
+
+
+class Signalled(Condition):
+    """A :class:`StopSignal` as a condition; the reason is the one given to ``stop()``."""
+
+    def __init__(self, signal: StopSignal) -> None:
+        self.signal = signal
+
+    def check(self, state: StepState) -> str | None:
+        return self.signal.reason
+
+    def __repr__(self) -> str:
+        return repr(self.signal)
+
+
+class Timeout(Condition):
+    """Stops once ``seconds`` have passed since the start of the run."""
+
+    reason = "timeout"
+
+    def __init__(self, seconds: float) -> None:
+        seconds = float(seconds)
+        if not seconds >= 0 or math.isinf(seconds):
+            raise ValueError(f"timeout needs a finite number of seconds >= 0, got {seconds!r}")
+        self.seconds = seconds
+
+    def check(self, state: StepState) -> str | None:
+        return self.reason if state.elapsed >= self.seconds else None
+
+    def __repr__(self) -> str:
+        return f"timeout({self.seconds:g})"
+
+
+class Deadline(Condition):
+    """Stops at a wall-clock time (epoch seconds, or a timezone-aware datetime)."""
+
+    reason = "deadline"
+
+    def __init__(self, when: float | _dt.datetime) -> None:
+        if isinstance(when, _dt.datetime):
+            if when.tzinfo is None:
+                raise ValueError(
+                    "deadline needs an aware datetime (e.g. datetime.now(timezone.utc) + ...)"
+                    " or epoch seconds; got a naive datetime"
+                )
+            when = when.timestamp()
+        if isinstance(when, bool) or not isinstance(when, (int, float)) or math.isnan(when):
+            raise TypeError(f"deadline takes epoch seconds or an aware datetime, got {when!r}")
+        self.when = float(when)
+
+    def check(self, state: StepState) -> str | None:
+        return self.reason if time.time() >= self.when else None
+
+    def __repr__(self) -> str:
+        return f"deadline({self.when!r})"
+
+
+class MaxSteps(Condition):
+    """Stops once ``n`` steps are done (tokens generated, denoising steps, items)."""
+
+    reason = "max_steps"
+
+    def __init__(self, n: int) -> None:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"max_steps needs an int >= 0, got {n!r}")
+        self.n = n
+
+    def check(self, state: StepState) -> str | None:
+        return self.reason if state.step >= self.n else None
+
+    def __repr__(self) -> str:
+        return f"max_steps({self.n})"
+
+
+class StopStrings(Condition):
+    """Stops a text row once its generated text contains one of ``strings``.
+
+    Applied per row by the transformers adapter through transformers' own ``StopStringCriteria``
+    (it needs the tokenizer, which the adapter supplies); it has no meaning for other targets.
+    """
+
+    reason = "stop_string"
+
+    def __init__(self, strings: Sequence[str]) -> None:
+        if isinstance(strings, str):
+            strings = [strings]
+        strings = list(strings)
+        if not strings or not all(isinstance(s, str) and s for s in strings):
+            raise ValueError(f"stop_strings needs a list of non-empty strings, got {strings!r}")
+        self.strings = strings
+
+    def check(self, state: StepState) -> str | None:
+        return None  # evaluated per row by the adapter, see the class docstring
+
+    def __repr__(self) -> str:
+        return f"stop_strings({self.strings!r})"
+
+
+class When(Condition):
+    """Stops when ``predicate(state)`` is true; checked at step boundaries only."""
+
+    def __init__(self, predicate: Callable[[StepState], Any], reason: str = "condition") -> None:
+        if not callable(predicate):
+            raise TypeError(f"when() needs a callable taking a StepState, got {predicate!r}")
+        self.predicate = predicate
+        self.reason = reason
+
+    def check(self, state: StepState) -> str | None:
+        if state.block:
+            return None
+        return self.reason if self.predicate(state) else None
+
+    def __repr__(self) -> str:
+        return f"when({getattr(self.predicate, '__name__', self.predicate)!r}, reason={self.reason!r})"
+
+
+def timeout(seconds: float) -> Timeout:
+    """Stop ``seconds`` after the start of each run."""
+    return Timeout(seconds)
+
+
+def deadline(when: float | _dt.datetime) -> Deadline:
+    """Stop at a wall-clock time: epoch seconds or an aware datetime."""
+    return Deadline(when)
+
+
+def max_steps(n: int) -> MaxSteps:
+    """Stop after ``n`` steps."""
+    return MaxSteps(n)
+
+
+def stop_strings(strings: Sequence[str]) -> StopStrings:
+    """Stop each text row once it has produced one of ``strings``."""
+    return StopStrings(strings)
+
+
+def when(predicate: Callable[[StepState], Any], reason: str = "condition") -> When:
+    """Stop when ``predicate(state)`` is true, reporting ``reason``."""
+    return When(predicate, reason)
+
+
+def as_condition(stop: object) -> Condition:
+    """Normalise what ``stop=`` accepts into one condition."""
+    if isinstance(stop, Condition):
+        return stop
+    if isinstance(stop, StopSignal):
+        return Signalled(stop)
+    if isinstance(stop, (list, tuple)) and stop:
+        return AnyOf(*(as_condition(s) for s in stop))
+    raise TypeError(
+        "stop= accepts a stopcock.StopSignal, a condition (stopcock.timeout, deadline, max_steps,"
+        f" stop_strings, when, combined with | and &), or a list of these; got {type(stop).__name__}"
+    )

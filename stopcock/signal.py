@@ -1,0 +1,126 @@
+"""The stop token: one thread-safe, idempotent "please stop" with a reason."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import weakref
+from collections.abc import Callable
+
+__all__ = ["StopSignal"]
+
+
+class StopSignal:
+    """A thread-safe stop token.
+
+    ``stop()`` may be called from any thread, from an event loop and from a signal handler: the
+    state lives behind a re-entrant lock that is held only for a few assignments, so a handler that
+    interrupts the main thread inside one of these methods never deadlocks. The first reason wins.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.RLock())
+        self._reason: str | None = None
+        self._stopped_at: float | None = None
+        self._callbacks: list[Callable[[], object]] = []
+        self._children: weakref.WeakSet[StopSignal] = weakref.WeakSet()
+
+    def __repr__(self) -> str:
+        state = f"stopped, reason={self._reason!r}" if self.stopped else "running"
+        return f"<StopSignal {state}>"
+
+    @property
+    def stopped(self) -> bool:
+        return self._reason is not None
+
+    @property
+    def reason(self) -> str | None:
+        """Why it was stopped (the first reason given), or None while not stopped."""
+        return self._reason
+
+    @property
+    def stopped_at(self) -> float | None:
+        """``time.monotonic()`` at the moment of the stop, or None."""
+        return self._stopped_at
+
+    def stop(self, reason: str = "user") -> bool:
+        """Request a stop. Returns True if this call stopped it, False if it was already stopped.
+
+        Callbacks registered with :meth:`on_stop` and child signals run on the calling thread, after
+        the state is set; if a callback raises, the others still run and the first error is raised.
+        """
+        if not isinstance(reason, str) or not reason:
+            raise TypeError(f"reason must be a non-empty str, got {reason!r}")
+        with self._cond:
+            if self._reason is not None:
+                return False
+            self._stopped_at = time.monotonic()
+            self._reason = reason
+            callbacks, self._callbacks = self._callbacks, []
+            children = list(self._children)
+            self._cond.notify_all()
+        errors: list[BaseException] = []
+        for child in children:
+            child.stop(reason)
+        for fn in callbacks:
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after every callback ran
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+        return True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until stopped or ``timeout`` seconds pass; returns :attr:`stopped`."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._reason is not None, timeout)
+        return self.stopped
+
+    async def wait_async(self) -> str:
+        """Wait without blocking the event loop; returns the reason."""
+        if self._reason is not None:
+            return self._reason
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+
+        def wake() -> None:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(lambda: future.done() or future.set_result(None))
+
+        remove = self.on_stop(wake)
+        try:
+            await future
+        finally:
+            remove()
+        assert self._reason is not None
+        return self._reason
+
+    def on_stop(self, fn: Callable[[], object]) -> Callable[[], None]:
+        """Run ``fn()`` once when stopped (at once if already stopped). Returns a remover."""
+        with self._cond:
+            if self._reason is None:
+                self._callbacks.append(fn)
+                return lambda: self._remove(fn)
+        fn()
+        return lambda: None
+
+    def _remove(self, fn: Callable[[], object]) -> None:
+        with self._cond:
+            if fn in self._callbacks:
+                self._callbacks.remove(fn)
+
+    def child(self) -> StopSignal:
+        """A new signal stopped (with the same reason) when this one stops, and stoppable alone.
+
+        The parent holds its children weakly: a child that is no longer used costs nothing.
+        """
+        kid = StopSignal()
+        with self._cond:
+            if self._reason is None:
+                self._children.add(kid)
+                return kid
+            reason = self._reason
+        kid.stop(reason)
+        return kid
