@@ -48,7 +48,7 @@ def adapter_for(target: object) -> Adapter:
     for adapter in adapters:
         if adapter.accepts(target):
             return adapter
-    kinds = "; ".join(a.KIND for a in adapters) or "none (install stopcock[transformers] or stopcock[diffusers])"
+    kinds = "; ".join(a.KIND for a in adapters) or "none: install stopcock[transformers] or [diffusers]"
     raise UnsupportedTarget(f"stopcock cannot run a {type(target).__name__!r}. Supported targets: {kinds}.")
 
 
@@ -68,8 +68,8 @@ def run(
     each step. Other keyword arguments go to the target unchanged, except adapter options such as
     ``partial=`` for diffusers.
     """
+    control = RunControl(stop, mode=mode, on_step=on_step)  # validates stop= and mode= first
     adapter = adapter_for(target)
-    control = RunControl(stop, mode=mode, on_step=on_step)
     options = {k: kwargs.pop(k) for k in ("partial",) if k in kwargs}
     with control:
         return adapter.run(target, args, kwargs, control, **options)

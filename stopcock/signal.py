@@ -25,6 +25,7 @@ class StopSignal:
         self._stopped_at: float | None = None
         self._callbacks: list[Callable[[], object]] = []
         self._children: weakref.WeakSet[StopSignal] = weakref.WeakSet()
+        self._parent: StopSignal | None = None  # a child keeps its parent (and so the chain) alive
 
     def __repr__(self) -> str:
         state = f"stopped, reason={self._reason!r}" if self.stopped else "running"
@@ -85,9 +86,13 @@ class StopSignal:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
 
+        def resolve() -> None:
+            if not future.done():
+                future.set_result(None)
+
         def wake() -> None:
             if not loop.is_closed():
-                loop.call_soon_threadsafe(lambda: future.done() or future.set_result(None))
+                loop.call_soon_threadsafe(resolve)
 
         remove = self.on_stop(wake)
         try:
@@ -114,9 +119,11 @@ class StopSignal:
     def child(self) -> StopSignal:
         """A new signal stopped (with the same reason) when this one stops, and stoppable alone.
 
-        The parent holds its children weakly: a child that is no longer used costs nothing.
+        The parent holds its children weakly (a child no longer used costs nothing); a child holds
+        its parent, so ``root.child().child()`` still follows ``root``.
         """
         kid = StopSignal()
+        kid._parent = self
         with self._cond:
             if self._reason is None:
                 self._children.add(kid)
