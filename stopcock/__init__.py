@@ -24,6 +24,7 @@ from .outcome import Outcome
 from .runner import UnsupportedTarget, run
 from .signal import StopSignal
 from .state import StepState
+from .stream import stream  # eager (it imports no heavy library): the submodule's name is taken by the function
 
 __version__ = "0.1.0"
 
@@ -35,7 +36,6 @@ _LAZY = {
     "guard": "stopcock.adapters.diffusers",
     "arun": "stopcock.aio",
     "astream": "stopcock.aio",
-    "stream": "stopcock.stream",
 }
 
 
@@ -58,6 +58,7 @@ __all__ = [
     "max_steps",
     "run",
     "stop_strings",
+    "stream",
     "timeout",
     "when",
     *_LAZY,

@@ -36,3 +36,41 @@ def text_pipe(text_model, tokenizer):
     from transformers import pipeline
 
     return pipeline("text-generation", model=text_model, tokenizer=tokenizer)
+
+
+# -- diffusers (stopcock.tiny.image) --------------------------------------------------------------
+@pytest.fixture(scope="session")
+def image_model_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny Stable Diffusion pipeline saved with save_pretrained (64x64 images)."""
+    from stopcock.tiny.image import build_image_model
+
+    return build_image_model(tmp_path_factory.mktemp("tiny-sd"))
+
+
+@pytest.fixture(scope="session")
+def image_pipe(image_model_dir):
+    """The saved tiny Stable Diffusion pipeline, loaded (progress bar off). Shared: do not modify."""
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(image_model_dir)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture
+def count_forwards():
+    """``count_forwards(*modules)``: a dict counting each module's forward calls, by module."""
+    handles = []
+
+    def install(*modules):
+        counts = {m: 0 for m in modules}
+
+        def hook(module, args):
+            counts[module] += 1
+
+        handles.extend(m.register_forward_pre_hook(hook) for m in modules)
+        return counts
+
+    yield install
+    for handle in handles:
+        handle.remove()

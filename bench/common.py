@@ -1,0 +1,294 @@
+"""What every benchmark shares: tables, interleaved timing, a stop from another thread at a chosen
+moment, the models, and the machine description written at the top of RESULTS.md."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from stopcock.hooks import find_blocks
+
+RANDOM_WEIGHTS = "All models have random weights (built offline from configs; no model hub)."
+
+
+# -- results ---------------------------------------------------------------------------------------
+@dataclass
+class Table:
+    """A markdown table: ``rows`` hold already formatted cells."""
+
+    title: str
+    columns: list[str]
+    rows: list[list[str]] = field(default_factory=list)
+
+    def add(self, *cells: object) -> None:
+        self.rows.append([str(c) for c in cells])
+
+    def markdown(self) -> str:
+        lines = [f"**{self.title}**", "", "| " + " | ".join(self.columns) + " |"]
+        lines.append("|" + "|".join("---" for _ in self.columns) + "|")
+        lines += ["| " + " | ".join(row) + " |" for row in self.rows]
+        return "\n".join(lines)
+
+
+@dataclass
+class Section:
+    """One benchmark's results: prose, tables, the raw numbers (for the smoke test), and the
+    headline lines the README summary quotes."""
+
+    title: str
+    intro: str
+    tables: list[Table] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    data: dict[str, Any] = field(default_factory=dict)
+    headline: list[str] = field(default_factory=list)
+
+    def markdown(self) -> str:
+        parts = [f"## {self.title}", self.intro]
+        parts += [t.markdown() for t in self.tables]
+        parts.append("\n".join(f"- {n}" for n in self.notes))
+        return "\n\n".join(parts)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:.2f}"
+
+
+def machine_info() -> dict[str, str]:
+    """The facts a reader needs to judge the numbers."""
+    import diffusers
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+    return {
+        "date (UTC)": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "CPU": cpu,
+        "cores": str(os.cpu_count()),
+        "torch threads": str(torch.get_num_threads()),
+        "load average at start (1, 5, 15 min)": load,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "diffusers": diffusers.__version__,
+        "platform": platform.platform(),
+    }
+
+
+# -- timing ----------------------------------------------------------------------------------------
+def interleaved(arms: dict[str, Callable[[], float]], reps: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Call each arm ``reps`` times (after ``warmup`` discarded calls), interleaved.
+
+    Each round rotates the order, so slow drift (other processes, thermal state) hits every arm
+    alike; each arm returns its own measurement.
+    """
+    names = list(arms)
+    for _ in range(warmup):
+        for name in names:
+            arms[name]()
+    results: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(reps):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            results[name].append(arms[name]())
+    return results
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+class Probe:
+    """Forward pre-hooks that time a model's steps and hold it at a chosen moment for a stop.
+
+    ``clock`` is the module called once per step (the decoder, the UNet): the start time of each
+    call is recorded. On the ``at_call``-th call (0-based) of ``trigger`` (e.g. the middle block
+    during the fifth step) the hook sets ``fired`` and waits until ``requested`` is set: the stop
+    from the other thread lands exactly there, however the threads are scheduled. Installed before
+    the run, so it sees each forward before stopcock's own hooks do.
+    """
+
+    def __init__(self, clock: nn.Module, trigger: nn.Module, at_call: int) -> None:
+        self.clock, self.trigger, self.at_call = clock, trigger, at_call
+        self.fired = threading.Event()
+        self.requested = threading.Event()
+        self.step_starts: list[float] = []
+        self._calls = 0
+
+    @contextmanager
+    def installed(self) -> Iterator[Probe]:
+        def on_clock(module: nn.Module, args: Any) -> None:
+            self.step_starts.append(time.perf_counter())
+
+        def on_trigger(module: nn.Module, args: Any) -> None:
+            if self._calls == self.at_call:
+                self.fired.set()
+                if not self.requested.wait(timeout=60):
+                    raise RuntimeError("the stopper thread did not answer within 60 s")
+            self._calls += 1
+
+        handles = [self.clock.register_forward_pre_hook(on_clock)]
+        handles.append(self.trigger.register_forward_pre_hook(on_trigger))
+        try:
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+
+    def step_durations(self) -> list[float]:
+        """Durations of the steps that were followed by another (start to next start)."""
+        return [b - a for a, b in zip(self.step_starts, self.step_starts[1:], strict=False)]
+
+
+@dataclass
+class StopTiming:
+    latency: float  # seconds from just before ``stop()`` on the other thread to the run's return
+    result: Any
+    probe: Probe
+    stopped_at: float  # perf_counter just before ``stop()``
+
+    def steps_started_after_stop(self) -> int:
+        return sum(t > self.stopped_at for t in self.probe.step_starts)
+
+
+def stop_from_thread(call: Callable[[], Any], stop: Callable[[], object], probe: Probe) -> StopTiming:
+    """Run ``call()`` here; when ``probe`` fires, another thread calls ``stop()``.
+
+    The latency runs from just before ``stop()`` to the return of ``call()``. Raises if the run
+    ended before the trigger fired (the configuration is then too short to measure anything).
+    """
+    stamp: list[float] = []
+    done = threading.Event()
+
+    def stopper() -> None:
+        probe.fired.wait()
+        if not done.is_set():
+            stamp.append(time.perf_counter())
+            stop()
+        probe.requested.set()
+
+    thread = threading.Thread(target=stopper, name="bench-stopper", daemon=True)
+    with probe.installed():
+        thread.start()
+        try:
+            result = call()
+            end = time.perf_counter()
+        finally:
+            done.set()
+            probe.fired.set()  # releases the stopper when the run ended (or failed) first
+            thread.join()
+    if not stamp:
+        raise RuntimeError("the run ended before the stop trigger fired: make the run longer")
+    return StopTiming(latency=end - stamp[0], result=result, probe=probe, stopped_at=stamp[0])
+
+
+# -- models ----------------------------------------------------------------------------------------
+@cache
+def text_model(n_layer: int = 2, n_embd: int = 64, n_head: int = 2) -> tuple[Any, Any]:
+    """A random-weight GPT-2 from :func:`stopcock.tiny.text.build_text_model` and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from stopcock.tiny.text import build_text_model
+
+    with tempfile.TemporaryDirectory(prefix="stopcock-bench-") as folder:
+        build_text_model(folder, n_layer=n_layer, n_embd=n_embd, n_head=n_head)
+        model = AutoModelForCausalLM.from_pretrained(folder).eval()
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    return model, tokenizer
+
+
+def prompt_ids(tokenizer: Any, n_tokens: int) -> torch.Tensor:
+    """A deterministic prompt of exactly ``n_tokens`` tokens (batch of one)."""
+    text = "The quick brown fox jumps over the lazy dog. Stop the pipeline when asked. "
+    ids = tokenizer(text * (1 + n_tokens // 8), return_tensors="pt").input_ids[:, :n_tokens]
+    if ids.shape[1] < n_tokens:
+        raise ValueError(f"prompt text too short for {n_tokens} tokens")
+    return ids
+
+
+def image_pipeline(scheduler: str = "ddim") -> Any:
+    """The tiny Stable Diffusion pipeline of :mod:`stopcock.tiny.image` with the named scheduler."""
+    from diffusers import DDIMScheduler, DPMSolverMultistepScheduler, EulerDiscreteScheduler
+
+    from stopcock.tiny.image import stable_diffusion_pipeline
+
+    pipe = stable_diffusion_pipeline()
+    kinds = {"ddim": DDIMScheduler, "euler": EulerDiscreteScheduler, "dpm++": DPMSolverMultistepScheduler}
+    if scheduler not in kinds:
+        raise ValueError(f"scheduler must be one of {sorted(kinds)}, got {scheduler!r}")
+    pipe.scheduler = kinds[scheduler].from_config(pipe.scheduler.config)
+    return pipe
+
+
+def supported(target: object) -> bool:
+    """Whether a stopcock adapter drives ``target`` (the adapters land while the benchmarks grow)."""
+    from stopcock.runner import UnsupportedTarget, adapter_for
+
+    try:
+        adapter_for(target)
+    except (UnsupportedTarget, ModuleNotFoundError):  # no adapter for it, or an adapter not written yet
+        return False
+    return True
+
+
+def inside(block: nn.Module) -> tuple[nn.Module, str]:
+    """A submodule about halfway through ``block`` (registration order), and its name.
+
+    A stop that lands there is mid-block: abort mode then waits for the rest of this block, as a
+    stop arriving at a random moment would on average. (A stop landing at a block's entry would be
+    seen at once by stopcock's pre-hook on that block: the best case, not a typical one.)
+    """
+    named = list(block.named_modules())[1:]
+    if not named:
+        raise ValueError(f"{type(block).__name__} has no submodules to land a stop in")
+    name, module = named[len(named) // 2]
+    return module, name
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks stopcock's abort mode hooks (see :func:`stopcock.hooks.find_blocks`)."""
+    found = find_blocks(model)
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no blocks to hook")
+    return found
+
+
+def quiet() -> None:
+    """No progress bars or advisory warnings in benchmark output; one thread for steadier timings."""
+    import warnings
+
+    import diffusers
+    import transformers
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    diffusers.utils.logging.set_verbosity_error()
+    torch.set_num_threads(1)

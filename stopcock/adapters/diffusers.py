@@ -1,0 +1,499 @@
+"""Stop diffusers pipelines (``DiffusionPipeline`` and modular pipelines) at a step boundary.
+
+How a run is bound (one mechanism for every pipeline kind):
+
+- **Step boundary**: each scheduler of the pipeline has its ``step`` wrapped for the run. Every
+  denoising loop in diffusers (classic, combined and modular) ends each step with ``scheduler.step``,
+  whatever its callback API, so this counts steps where classifier-free guidance batching or separate
+  conditional/unconditional denoiser calls would make counting denoiser forwards wrong. It also sees
+  the latents and the scheduler's estimate of the clean sample (x0), used for ``partial="denoised"``.
+- **Finish** (pipelines listed in ``diffusers_interrupt.txt``, which check ``self.interrupt`` at every
+  step): at the boundary where the stop is seen, set the pipeline's own ``_interrupt`` flag. This
+  happens inside the call, after the pipeline reset the flag, so it cannot be lost; the loop skips
+  the remaining steps and the pipeline decodes as usual. With ``partial="denoised"`` the scheduler's
+  result at that step is replaced by the x0 estimate, so that is what gets decoded.
+- **Abort** (``mode="abort"``, and every other pipeline): :class:`~stopcock.control.Abort` is raised
+  at the step boundary, and forward pre-hooks on the blocks of every model component raise it at the
+  next block while a forward is under way. No VAE decode, no safety checker, no next stage.
+
+Users' own ``callback_on_step_end`` / legacy ``callback`` arguments are left untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from importlib import resources
+from typing import Any
+
+import torch
+from diffusers import DiffusionPipeline, ModularPipeline
+from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
+from diffusers.schedulers.scheduling_utils import SchedulerMixin
+
+from ..conditions import StopStrings
+from ..control import Abort, RunControl
+from ..hooks import find_blocks, pre_hooks
+from ..outcome import Outcome
+from ..state import StepState
+
+__all__ = ["KIND", "accepts", "run", "attach", "step_callback", "guard", "honours_interrupt", "Handle"]
+
+KIND = "diffusers pipelines (DiffusionPipeline, ModularPipeline)"
+PARTIALS = ("raw", "denoised")
+
+# transformers generate() arguments that diffusers pipelines ignore (those taking **kwargs) or reject.
+GENERATE_ONLY = frozenset(
+    {
+        "stopping_criteria",
+        "logits_processor",
+        "max_new_tokens",
+        "min_new_tokens",
+        "max_length",
+        "max_time",
+        "stop_strings",
+        "streamer",
+        "generation_config",
+        "eos_token_id",
+    }
+)
+# Component names of the denoising models (unet, transformer, transformer_2, prior, prior_prior,
+# decoder, ...): models other than these are not expected to run after a finish-mode stop but the decode.
+DENOISER_WORDS = frozenset({"unet", "transformer", "prior", "decoder", "denoiser"})
+
+_active: weakref.WeakSet[Any] = weakref.WeakSet()  # pipelines with a binding installed
+_active_lock = threading.Lock()
+
+
+def accepts(target: object) -> bool:
+    return isinstance(target, (DiffusionPipeline, ModularPipeline))
+
+
+@functools.cache
+def _interrupt_classes() -> frozenset[str]:
+    text = resources.files(__package__).joinpath("diffusers_interrupt.txt").read_text()
+    return frozenset(line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#"))
+
+
+def honours_interrupt(pipe: object) -> bool:
+    """Whether ``pipe.__call__`` checks ``self.interrupt`` at every step (so it can finish early).
+
+    Decided by the class that defines the ``__call__`` actually run, so a subclass that overrides
+    it is not trusted; unknown classes answer False and are stopped through hooks.
+    """
+    for cls in type(pipe).__mro__:
+        if "__call__" in vars(cls) and not getattr(cls, "_stopcock_guarded", False):
+            return cls.__name__ in _interrupt_classes()
+    return False
+
+
+# -- the x0 estimate --------------------------------------------------------------------------------
+def _denoised(scheduler: Any, model_output: Any, sample: Any, result: Any) -> torch.Tensor | None:
+    """The scheduler's estimate of the clean sample at the step just taken, or None.
+
+    Schedulers that return it (DDIM, DDPM, Euler, Euler ancestral, Heun, LCM, TCD, ...) give it as
+    ``pred_original_sample`` / ``denoised``, or second in the tuple; DPM-Solver++ and UniPC keep it
+    as their last converted model output; flow matching Euler: x0 = x_t - sigma * v.
+    """
+    prev = result[0]
+    for name in ("pred_original_sample", "denoised"):
+        x0 = getattr(result, name, None)
+        if isinstance(x0, torch.Tensor):
+            return x0
+    if isinstance(result, tuple) and len(result) > 1:
+        x0 = result[1]
+        return x0 if isinstance(x0, torch.Tensor) and x0.shape == prev.shape else None
+    config = getattr(scheduler, "config", {})
+    outputs = getattr(scheduler, "model_outputs", None)
+    if outputs and (
+        str(config.get("algorithm_type", "")).endswith("dpmsolver++") or config.get("predict_x0", False)
+    ):
+        x0 = outputs[-1]
+        return x0.to(prev.dtype) if isinstance(x0, torch.Tensor) and x0.shape == prev.shape else None
+    if type(scheduler).__name__.startswith("FlowMatchEuler") and getattr(scheduler, "step_index", None):
+        sigma = scheduler.sigmas[scheduler.step_index - 1]
+        return (sample.float() - sigma * model_output.float()).to(prev.dtype)
+    return None
+
+
+def _with_sample(result: Any, sample: torch.Tensor) -> Any:
+    """``result`` of ``scheduler.step`` with its first element (prev_sample) replaced by ``sample``."""
+    if isinstance(result, tuple):
+        return (sample, *result[1:])
+    fields = dict(result)
+    fields[next(iter(fields))] = sample
+    return type(result)(**fields)
+
+
+def _remaining_steps(scheduler: Any, timestep: Any) -> int | None:
+    """Steps left in this scheduler's loop, counting the one at ``timestep`` (img2img starts late)."""
+    timesteps = getattr(scheduler, "timesteps", None)
+    if not isinstance(timesteps, torch.Tensor) or timesteps.ndim != 1:
+        return None
+    t = torch.as_tensor(timestep, device=timesteps.device, dtype=timesteps.dtype).flatten()
+    if t.numel() != 1:
+        return None
+    hits = (timesteps == t).nonzero()
+    return len(timesteps) - int(hits[0]) if len(hits) else None
+
+
+class _StepWrapper:
+    """Stands in for ``scheduler.step`` during a run; a deep copy of the scheduler gets the plain step."""
+
+    def __init__(self, scheduler: Any, binding: _Binding) -> None:
+        self.scheduler = scheduler
+        self.binding = binding
+        self.original = scheduler.step  # bound method (or an outer wrapper)
+        # Pipelines inspect step()'s parameters to decide whether to pass generator= and eta=.
+        self.__signature__ = inspect.signature(self.original)
+        self.owner = threading.get_ident()
+        self.started = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        result = self.original(*args, **kwargs)
+        if threading.get_ident() != self.owner:
+            return result
+        model_output = kwargs["model_output"] if "model_output" in kwargs else args[0]
+        timestep = kwargs["timestep"] if "timestep" in kwargs else args[1]
+        sample = kwargs["sample"] if "sample" in kwargs else args[2]
+        if not self.started:
+            self.started = True
+            self.binding.stage_started(self.scheduler, timestep)
+        return self.binding.step_done(self.scheduler, model_output, timestep, sample, result)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        copy = memo.get(id(self.scheduler))
+        # A copy of the scheduler (e.g. LTX-2's audio scheduler) steps itself, unobserved.
+        return self if copy is None else type(copy).step.__get__(copy)
+
+
+# -- the binding ------------------------------------------------------------------------------------
+class _Binding:
+    """One run's hooks on one pipeline: installed on enter, removed (and the pipeline reset) on exit."""
+
+    def __init__(self, pipe: Any, control: RunControl, partial: str | None = None) -> None:
+        if partial is not None and partial not in PARTIALS:
+            raise ValueError(f"partial must be one of {PARTIALS} or None, got {partial!r}")
+        for leaf in control.condition.parts() if control.condition is not None else ():
+            if isinstance(leaf, StopStrings):
+                raise ValueError(
+                    "stop_strings() applies to text generation only; to stop a diffusers pipeline use"
+                    " a StopSignal, timeout(), deadline(), max_steps() or when()"
+                )
+        self.pipe = pipe
+        self.control = control
+        self.partial = partial or "raw"
+        self.native = control.mode == "finish" and honours_interrupt(pipe)
+        self.mode = "finish" if self.native else "abort"
+        self.flagged = False  # we set pipe._interrupt
+        self.aborted = False
+        self.latents: Any = None
+        self.denoised: Any = None
+        self.latents_kind: str | None = None  # "raw" or "denoised": what self.latents holds at a stop
+        self.notes: list[str] = []
+        self._stack = ExitStack()
+
+    # components
+    def _components(self) -> dict[str, Any]:
+        return {name: c for name, c in dict(self.pipe.components).items() if c is not None}
+
+    def _models(self) -> dict[str, torch.nn.Module]:
+        return {n: c for n, c in self._components().items() if isinstance(c, torch.nn.Module)}
+
+    def denoisers(self) -> list[torch.nn.Module]:
+        """The denoising models, found by component name (unet, transformer, prior, decoder, ...)."""
+        return [
+            m
+            for name, m in self._models().items()
+            if DENOISER_WORDS & set(name.split("_")) and not {"text", "vae"} & set(name.split("_"))
+        ]
+
+    def schedulers(self) -> list[Any]:
+        return list({id(c): c for c in self._components().values() if isinstance(c, SchedulerMixin)}.values())
+
+    # install / remove
+    def __enter__(self) -> _Binding:
+        with _active_lock:
+            if self.pipe in _active:
+                raise RuntimeError(
+                    f"this {type(self.pipe).__name__} is already running under stopcock: diffusers pipelines"
+                    " keep per-run state in their scheduler, so run one call per pipeline at a time (use one"
+                    " pipeline per worker thread)"
+                )
+            _active.add(self.pipe)
+        self._stack.callback(self._release)
+        try:
+            for scheduler in self.schedulers():
+                self._stack.enter_context(_wrapped_step(scheduler, self))
+            if self.native:
+                # Safety net: a denoiser forward after we set the flag means the loop ignored it.
+                self._stack.enter_context(pre_hooks(self.denoisers(), self._after_flag))
+            else:
+                models = list(self._models().values())
+                blocks = [b for m in models for b in find_blocks(m)]
+                self._stack.enter_context(pre_hooks(models + blocks, lambda _m: self.control.poll()))
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def _release(self) -> None:
+        with _active_lock:
+            _active.discard(self.pipe)
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
+        try:
+            self._stack.close()
+            if hasattr(self.pipe, "_interrupt"):
+                self.pipe._interrupt = False
+            if exc is not None:  # the pipeline's own clean-up (its last line) did not run
+                _free_model_hooks(self.pipe)
+        finally:
+            self.control.close()
+        if isinstance(exc, Abort) and exc.control is self.control:
+            self.aborted = True
+            return True
+        return False
+
+    def _after_flag(self, _module: torch.nn.Module) -> None:
+        if self.flagged:
+            self.notes.append(f"{type(self.pipe).__name__} kept denoising after interrupt: aborted instead")
+            self.mode = "abort"
+            raise Abort(self.control)
+
+    # events from the wrapped scheduler.step
+    def stage_started(self, scheduler: Any, timestep: Any) -> None:
+        remaining = _remaining_steps(scheduler, timestep)
+        if remaining is not None:
+            self.control.total = self.control.steps + remaining
+
+    def step_done(self, scheduler: Any, model_output: Any, timestep: Any, sample: Any, result: Any) -> Any:
+        self.latents = result[0]
+        self.denoised = _denoised(scheduler, model_output, sample, result)
+        extra = {"denoised": self.denoised} if self.denoised is not None else {}
+        if not self.control.step(latents=self.latents, timestep=timestep, extra=extra):
+            return result
+        self.latents_kind = "raw"
+        if self.partial == "denoised":
+            if self.denoised is None:
+                self.notes.append(f"no denoised estimate from {type(scheduler).__name__}: kept the raw latents")
+            else:
+                self.latents, self.latents_kind = self.denoised, "denoised"
+                result = _with_sample(result, self.denoised)
+        if not self.native:
+            raise Abort(self.control)
+        self.pipe._interrupt = self.flagged = True
+        return result
+
+    def outcome(self, output: Any) -> Outcome:
+        if self.control.mode == "finish" and not self.native and self.aborted:
+            self.notes.insert(
+                0, f"{type(self.pipe).__name__} cannot finish early (it does not honour interrupt): aborted instead"
+            )
+        stopped = self.control.seen
+        return self.control.outcome(
+            None if self.aborted else output,
+            mode=self.mode if stopped else self.control.mode,
+            latents=self.latents,
+            partial=(self.latents_kind or "raw") if stopped and self.latents is not None else None,
+            detail="; ".join(self.notes) or None,
+            extra={"path": "interrupt" if self.native else "hooks", "denoised": self.denoised},
+        )
+
+
+@contextmanager
+def _wrapped_step(scheduler: Any, binding: _Binding) -> Iterator[None]:
+    had_own = "step" in vars(scheduler)
+    previous = vars(scheduler).get("step")
+    scheduler.step = _StepWrapper(scheduler, binding)
+    try:
+        yield
+    finally:
+        if had_own:
+            scheduler.step = previous
+        else:
+            del scheduler.step
+
+
+def _free_model_hooks(pipe: Any) -> None:
+    """What a pipeline's last line does: reset cache hooks, re-arm CPU offload."""
+    if hasattr(pipe, "maybe_free_model_hooks"):
+        pipe.maybe_free_model_hooks()
+        return
+    for component in dict(pipe.components).values():  # modular pipelines: reset stateful cache hooks
+        if hasattr(component, "_reset_stateful_cache"):
+            component._reset_stateful_cache()
+
+
+def _reject_generate_args(pipe: Any, kwargs: dict[str, Any]) -> None:
+    wrong = sorted(GENERATE_ONLY & kwargs.keys())
+    if wrong:
+        raise TypeError(
+            f"{', '.join(wrong)} {'is a' if len(wrong) == 1 else 'are'} transformers generate() argument(s);"
+            f" {type(pipe).__name__} would ignore or reject it. To stop a diffusers pipeline pass"
+            " stop=... to stopcock.run() (a StopSignal, timeout(), deadline(), max_steps(), when()),"
+            " or use stopcock.attach(pipe, stop) / callback_on_step_end=stopcock.step_callback(stop)"
+        )
+
+
+def _planned_steps(kwargs: dict[str, Any]) -> int | None:
+    for name in ("timesteps", "sigmas"):
+        if kwargs.get(name) is not None:
+            return len(kwargs[name])
+    steps = kwargs.get("num_inference_steps")
+    return steps if isinstance(steps, int) else None
+
+
+# -- public entry points ----------------------------------------------------------------------------
+def run(
+    target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], control: RunControl, *, partial: str | None = None
+) -> Outcome:
+    """The adapter behind ``stopcock.run(pipe, ...)`` for diffusers pipelines."""
+    _reject_generate_args(target, kwargs)
+    binding = _Binding(target, control, partial)
+    if len(binding.schedulers()) == 1:  # a combined pipeline's stages add up, known as each one starts
+        control.total = _planned_steps(kwargs)
+    output = None
+    with binding:
+        if control.check():
+            binding.notes.append("stopped before the first step: the pipeline was not called")
+        else:
+            output = target(*args, **kwargs)
+    return binding.outcome(output)
+
+
+class Handle:
+    """What :func:`attach` yields. ``outcome`` is set when the ``with`` block exits.
+
+    ``outcome.output`` is None: the pipeline's output is what your own call returned (nothing,
+    if the run was aborted; the abort ends the ``with`` block).
+    """
+
+    def __init__(self, binding: _Binding) -> None:
+        self._binding = binding
+        self.outcome: Outcome | None = None
+
+    @property
+    def control(self) -> RunControl:
+        return self._binding.control
+
+
+@contextmanager
+def attach(
+    pipe: Any,
+    stop: object,
+    *,
+    mode: str = "finish",
+    partial: str | None = None,
+    on_step: Callable[[StepState], object] | None = None,
+) -> Iterator[Handle]:
+    """Stop the calls of ``pipe`` made inside the ``with`` block on ``stop``.
+
+    Installs what the pipeline needs (scheduler step wrapper, forward pre-hooks) and removes it on
+    exit. An abort raised inside the block ends the block quietly; ``handle.outcome`` says what happened.
+    """
+    if not accepts(pipe):
+        raise TypeError(f"attach() takes a diffusers pipeline, got {type(pipe).__name__}")
+    control = RunControl(stop, mode=mode, on_step=on_step)
+    control.__enter__()
+    binding = _Binding(pipe, control, partial)
+    handle = Handle(binding)
+    with binding:
+        yield handle
+    handle.outcome = binding.outcome(None)
+
+
+class _StepStopper:
+    """A ``callback_on_step_end`` that runs the user's callback, then stops on ``stop``."""
+
+    def __init__(
+        self,
+        stop: object,
+        callback: Callable[..., Any] | None,
+        on_step: Callable[[StepState], object] | None,
+    ) -> None:
+        self.control = RunControl(stop, on_step=on_step)
+        self.callback = callback
+
+    def __call__(self, pipeline: Any, step_index: int, timestep: Any, callback_kwargs: dict[str, Any]) -> Any:
+        if self.callback is not None:
+            callback_kwargs = self.callback(pipeline, step_index, timestep, callback_kwargs)
+            if not isinstance(callback_kwargs, dict):
+                raise TypeError(
+                    "a callback_on_step_end must return the callback_kwargs dict (diffusers pops from it);"
+                    f" {self.callback!r} returned {type(callback_kwargs).__name__}"
+                )
+        latents = callback_kwargs.get("latents")
+        if self.control.step(steps=step_index + 1, latents=latents, timestep=timestep):
+            if not honours_interrupt(pipeline):
+                raise TypeError(
+                    f"{type(pipeline).__name__} ignores the interrupt flag, so step_callback() cannot stop it;"
+                    " use stopcock.run(pipe, ..., stop=...) or `with stopcock.attach(pipe, stop): pipe(...)`"
+                )
+            pipeline._interrupt = True
+        return callback_kwargs
+
+
+class _StopperCallback(PipelineCallback):
+    """:class:`_StepStopper` as a ``PipelineCallback`` (no tensor inputs of its own)."""
+
+    tensor_inputs: list[str] = []
+
+    def __init__(self, stopper: _StepStopper) -> None:
+        super().__init__()
+        self.stopper = stopper
+
+    def callback_fn(self, pipeline: Any, step_index: int, timestep: Any, callback_kwargs: dict[str, Any]) -> Any:
+        return self.stopper(pipeline, step_index, timestep, callback_kwargs)
+
+
+def step_callback(
+    stop: object,
+    callback: Callable[..., Any] | PipelineCallback | MultiPipelineCallbacks | None = None,
+    *,
+    on_step: Callable[[StepState], object] | None = None,
+) -> Any:
+    """A ``callback_on_step_end`` that stops the pipeline (through its interrupt flag) on ``stop``.
+
+    ``callback`` (a function, ``PipelineCallback`` or ``MultiPipelineCallbacks``) runs first at each
+    step. A function keeps your ``callback_on_step_end_tensor_inputs``; for the callback objects the
+    result is a ``MultiPipelineCallbacks`` with their tensor inputs. Timeouts count from this call:
+    make one per run. Only for pipelines that honour interrupt; others raise a TypeError at the stop
+    (use :func:`attach` or ``stopcock.run`` for them).
+    """
+    stopper = _StepStopper(stop, None, on_step)
+    if isinstance(callback, MultiPipelineCallbacks):
+        return MultiPipelineCallbacks([*callback.callbacks, _StopperCallback(stopper)])
+    if isinstance(callback, PipelineCallback):
+        return MultiPipelineCallbacks([callback, _StopperCallback(stopper)])
+    if callback is not None and not callable(callback):
+        raise TypeError(f"callback must be a function, PipelineCallback or MultiPipelineCallbacks, got {callback!r}")
+    stopper.callback = callback
+    return stopper
+
+
+def guard(pipe: Any) -> Any:
+    """Make ``pipe`` reject transformers generate() arguments (``stopping_criteria=`` ...) with a clear error.
+
+    Many pipelines take ``**kwargs`` and silently ignore them. Changes the instance's class to a
+    subclass of the same name (idempotent); returns ``pipe``.
+    """
+    if not accepts(pipe):
+        raise TypeError(f"guard() takes a diffusers pipeline, got {type(pipe).__name__}")
+    cls = type(pipe)
+    if not getattr(cls, "_stopcock_guarded", False):
+        pipe.__class__ = _guarded_class(cls)
+    return pipe
+
+
+@functools.cache
+def _guarded_class(cls: type) -> type:
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _reject_generate_args(self, kwargs)
+        return cls.__call__(self, *args, **kwargs)
+
+    return type(cls.__name__, (cls,), {"__call__": __call__, "_stopcock_guarded": True, "__module__": cls.__module__})

@@ -1,0 +1,155 @@
+"""Async runs and streams: cancelling the awaiting task stops the run, and waits until it has.
+
+The run goes on in a worker thread (the model's forward cannot be interrupted by an event loop).
+When the task awaiting :func:`arun` or iterating :func:`astream` is cancelled (an asyncio or anyio
+cancel scope, a client disconnect in a web framework, ``aclose()``), the run is stopped with reason
+``"cancelled"`` at its next step, the task waits without blocking the loop until the worker has
+ended, and then the ``CancelledError`` propagates: no compute outlives its task. Works on asyncio
+and on anyio's asyncio backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from .outcome import Outcome
+from .signal import StopSignal
+from .stream import Channel, Event, make_events, start_worker
+
+__all__ = ["AsyncStream", "arun", "astream"]
+
+
+async def arun(target: Any, *args: Any, stop: object = None, **kwargs: Any) -> Outcome:
+    """``stopcock.run`` in a worker thread, awaited; cancelling the awaiting task stops the run.
+
+    On cancellation the run is stopped (reason ``"cancelled"``), ``arun`` waits for the worker to
+    end, then re-raises ``CancelledError`` (the partial result is not returned: to keep it, stop a
+    :class:`~stopcock.StopSignal` passed in ``stop=`` instead of cancelling).
+    """
+    channel, _ = start_worker(target, args, kwargs, stop=stop)
+    try:
+        await _until(channel, lambda: channel.finished)
+    except asyncio.CancelledError:
+        await _abandon(channel)
+        raise
+    return channel.result()
+
+
+class AsyncStream(AsyncIterator[Event]):
+    """The async form of :class:`stopcock.stream.Stream`; ``aclose()`` or cancelling ends the run."""
+
+    def __init__(self, channel: Channel) -> None:
+        self._channel = channel
+        self._finalizer = weakref.finalize(self, channel.abandon)
+
+    def __aiter__(self) -> AsyncStream:
+        return self
+
+    async def __anext__(self) -> Event:
+        channel = self._channel
+        try:
+            while True:
+                try:
+                    event = channel.get_nowait()
+                except StopIteration:
+                    raise StopAsyncIteration from None
+                if event is not None:
+                    return event
+                await _until(channel, channel.ready)
+        except asyncio.CancelledError:
+            await self.aclose()
+            raise
+
+    async def __aenter__(self) -> AsyncStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    @property
+    def signal(self) -> StopSignal:
+        """The stream's own stop signal (``stop()`` stops it)."""
+        return self._channel.signal
+
+    @property
+    def outcome(self) -> Outcome | None:
+        """The run's Outcome once it has ended (also after ``aclose()``), else None."""
+        return self._channel.outcome
+
+    def stop(self, reason: str = "user") -> bool:
+        """Stop the run at its next step and keep streaming: the last events and Done still come."""
+        return self._channel.signal.stop(reason)
+
+    async def aclose(self) -> None:
+        """Stop the run (reason ``"cancelled"``) and wait, without blocking the loop, until it ended.
+
+        Events not read yet are dropped; an exception the run raised and the consumer has not
+        received is raised here.
+        """
+        self._finalizer.detach()
+        await _abandon(self._channel)
+        self._channel.raise_error()
+
+
+def astream(
+    target: Any,
+    *args: Any,
+    stop: object = None,
+    tokenizer: Any = None,
+    preview: str | None = None,
+    preview_every: int = 1,
+    buffer: int = 64,
+    **kwargs: Any,
+) -> AsyncStream:
+    """``stopcock.stream`` as an async iterator: ``async for event in stopcock.astream(...)``.
+
+    Same arguments and events as :func:`stopcock.stream`. Prefer ``async with stopcock.astream(...)
+    as events:`` so that leaving the block ends the run at once.
+    """
+    events = make_events(target, kwargs, tokenizer=tokenizer, preview=preview, preview_every=preview_every)
+    channel, _ = start_worker(target, args, kwargs, stop=stop, buffer=buffer, events=events)
+    return AsyncStream(channel)
+
+
+async def _until(channel: Channel, ready: Callable[[], bool]) -> None:
+    """Wait, without blocking the loop, until ``ready()``; the worker wakes us after each event."""
+    loop = asyncio.get_running_loop()
+    while not ready():
+        woken: asyncio.Future[None] = loop.create_future()
+
+        def wake(woken: asyncio.Future[None] = woken) -> None:
+            try:
+                loop.call_soon_threadsafe(_resolve, woken)
+            except RuntimeError:  # the loop is closed: nobody waits any more
+                pass
+
+        remove = channel.add_waker(wake)
+        try:
+            if not ready():
+                await woken
+        finally:
+            remove()
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+async def _abandon(channel: Channel) -> None:
+    """Stop the run and wait until its worker has ended, even through further cancellations.
+
+    A cancellation that arrives meanwhile is raised once the worker has ended, never lost.
+    """
+    channel.abandon()
+    cancelled: asyncio.CancelledError | None = None
+    while not channel.finished:
+        try:
+            await _until(channel, lambda: channel.finished)
+        except asyncio.CancelledError as exc:
+            cancelled = exc
+    if cancelled is not None:
+        raise cancelled

@@ -1,0 +1,518 @@
+"""The ``stopcock`` command line: ``demo``, ``text`` and ``image``.
+
+Ctrl+C once stops the run gracefully at the next step (the partial result is kept and saved,
+reason ``"interrupted"``); Ctrl+C again abandons it at once, inside the step in flight (see
+:class:`CtrlC`). Exit codes are listed in :data:`EXIT_CODES`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any, TextIO
+
+from . import __version__
+from .conditions import Condition, max_steps, stop_strings, timeout
+from .outcome import Outcome
+from .runner import run
+from .signal import StopSignal
+from .state import StepState
+
+__all__ = ["main", "build_parser", "EXIT_CODES", "CliError"]
+
+EXIT_COMPLETED = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_STOPPED = 3
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl+C
+
+EXIT_CODES = {
+    EXIT_COMPLETED: "completed (no stop took effect)",
+    EXIT_ERROR: "error (e.g. a model that cannot be loaded)",
+    EXIT_USAGE: "bad arguments",
+    EXIT_STOPPED: "stopped by a condition (--timeout, --stop, --max-steps, --stop-at-step)",
+    EXIT_INTERRUPTED: "interrupted by Ctrl+C (once: graceful, twice: aborted)",
+}
+
+INTERRUPTED = "interrupted"
+
+JSON_SCHEMA = """\
+--json prints one JSON object on stdout when the run ends (nothing else goes to stdout):
+  command        "text" or "image"
+  model          the model folder or hub id used
+  stopped        true when a stop took effect
+  reason         why it ended: "interrupted", "timeout", "stop_string", "max_steps", ... when
+                 stopped; "completed", "eos" or "length" otherwise
+  steps          tokens generated / denoising steps done
+  total_steps    the planned number, or null
+  elapsed        seconds; stop_latency: seconds from the stop request to the end, or null
+  mode           "finish" or "abort" (the mode actually used; a second Ctrl+C makes it "abort")
+  partial        image: "denoised" or "raw" when a stopped image was decoded from a partial state
+  row_reasons    text: how each row ended, or null
+  detail         a sentence when something needs saying, or null
+  exit_code      the process exit code
+  text           text: the generated text (without the prompt)
+  file           image: the PNG written (null if none), with this object in its "stopcock" text chunk
+  image          image: "complete", "partial" (decoded from where it stopped) or "latent preview"
+                 (a rough preview of the last latents, no VAE decode: abort mode, second Ctrl+C)
+  seed           image: the seed"""
+
+
+def _epilog() -> str:
+    codes = "\n".join(f"  {code:<4} {meaning}" for code, meaning in EXIT_CODES.items())
+    return f"exit codes:\n{codes}\n\nCtrl+C once: stop at the next step and keep the partial result;" \
+        " twice: abort now."
+
+
+class CliError(Exception):
+    """An error the user can fix; printed as one line, exit code 1, no traceback."""
+
+
+# -- models ------------------------------------------------------------------------------------------
+
+_HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+
+
+def resolve_model(spec: str | None, kind: str) -> str:
+    """The folder or hub id to load: the built-in demo model when ``spec`` is None."""
+    if spec is None:
+        from transformers.utils import logging
+
+        from .tiny.demo import demo_model
+
+        logging.disable_progress_bar()  # loading bars for a model that loads in milliseconds are noise
+        return str(demo_model(kind))
+    if Path(spec).expanduser().is_dir():
+        return str(Path(spec).expanduser())
+    if not _HUB_ID.match(spec) or spec.startswith("."):
+        raise CliError(f"model folder not found: {spec}")
+    return spec
+
+
+@contextlib.contextmanager
+def _loading(spec: str) -> Iterator[None]:
+    """Turn a failed ``from_pretrained`` into a one-line :class:`CliError` that names the fix."""
+    try:
+        yield
+    except (OSError, ValueError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if Path(spec).is_dir():
+            raise CliError(f"cannot load the model in {spec}: {first_line}") from None
+        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+        hint = (
+            "HF_HUB_OFFLINE is set, so nothing is downloaded: pass a local folder, or unset HF_HUB_OFFLINE"
+            if offline
+            else "pass a local folder, or check the id and that this machine reaches the Hugging Face Hub"
+        )
+        raise CliError(f"{spec!r} is not a local folder and could not be loaded as a hub id ({hint}):"
+                       f" {first_line}") from None
+
+
+def load_text_model(spec: str) -> tuple[Any, Any]:
+    """A causal LM and its tokenizer, on CPU, in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with _loading(spec):
+        tokenizer = AutoTokenizer.from_pretrained(spec)
+        model = AutoModelForCausalLM.from_pretrained(spec).eval()
+    return model, tokenizer
+
+
+def load_image_pipeline(spec: str) -> Any:
+    """A diffusers pipeline with its own progress bar off (the CLI draws one)."""
+    from diffusers import DiffusionPipeline
+
+    with _loading(spec):
+        pipe = DiffusionPipeline.from_pretrained(spec)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+# -- progress, echo, Ctrl+C --------------------------------------------------------------------------
+
+
+class Progress:
+    """The ``on_step`` hook of a CLI run: remembers the last state and shows progress.
+
+    ``style`` is "bar" (one redrawn line), "lines" (one line per step, for logs and for tests
+    that follow a run) or "none". ``echo`` is called first with each state (text streaming).
+    """
+
+    def __init__(
+        self, style: str, *, unit: str = "step", echo: Callable[[StepState], None] | None = None,
+        stream: TextIO | None = None,
+    ) -> None:
+        self.style = style
+        self.unit = unit
+        self.echo = echo
+        self.stream = stream or sys.stderr
+        self.last: StepState | None = None
+        self.started = time.monotonic()
+
+    def __call__(self, state: StepState) -> None:
+        self.last = state
+        if self.echo is not None:
+            self.echo(state)
+        if self.style == "none":
+            return
+        total = state.total
+        eta = state.elapsed / state.step * (total - state.step) if total and state.step else None
+        eta_text = "?" if eta is None else f"{eta:.1f}s"
+        if self.style == "lines":
+            print(f"{self.unit} {state.step}/{total or '?'} elapsed {state.elapsed:.2f}s eta {eta_text}",
+                  file=self.stream, flush=True)
+            return
+        width = 30
+        filled = width * state.step // total if total else 0
+        bar = f"[{'#' * filled}{'.' * (width - filled)}]" if total else ""
+        self.stream.write(f"\r{self.unit} {state.step}/{total or '?'} {bar} eta {eta_text}   ")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.style == "bar" and self.last is not None:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+class TextEcho:
+    """Prints the generated text (batch row 0) to ``out`` as tokens arrive.
+
+    Decoding is :class:`stopcock.stream.TextDecoder`'s: a character split across tokens is
+    printed whole once complete. ``out=None`` only follows the tokens.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_length: int, out: TextIO | None) -> None:
+        from .stream import TextDecoder
+
+        self.decoder = TextDecoder(tokenizer)
+        self.seen = prompt_length
+        self.out = out
+
+    def __call__(self, state: StepState) -> None:
+        if state.input_ids is not None:
+            self._show(self.decoder.push(state.input_ids[0, self.seen:].tolist()))
+            self.seen = state.input_ids.shape[1]
+
+    def finish(self) -> None:
+        self._show(self.decoder.flush())
+        if self.out is not None:
+            self.out.write("\n")
+            self.out.flush()
+
+    def _show(self, text: str) -> None:
+        if self.out is not None and text:
+            self.out.write(text)
+            self.out.flush()
+
+
+class CtrlC:
+    """SIGINT handling for one run (main thread only).
+
+    First press: ``stop.stop("interrupted")``. The run is in finish mode, so it ends at the next
+    step boundary and the library builds its normal (partial) output, which the CLI saves.
+    Second press: raise ``KeyboardInterrupt`` from the handler. A run started in finish mode has no
+    block hooks to abort through, so the exception itself abandons the step in flight, wherever
+    the main thread is (inside the model forward, or in the VAE decode); the adapters' cleanup
+    runs on the way out. The CLI then reports mode "abort" with what the last finished step
+    produced (:meth:`RunTrace.abandoned`). Both presses write a line to stderr at once.
+    """
+
+    def __init__(self, stop: StopSignal) -> None:
+        self.stop = stop
+        self.presses = 0
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.presses += 1
+        if self.presses == 1:
+            self.stop.stop(INTERRUPTED)
+            _say("\nstopcock: interrupted: stopping at the next step and keeping the partial result"
+                 " (Ctrl+C again to abort now)\n")
+            return
+        _say("\nstopcock: aborting now\n")
+        raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[CtrlC]:
+        previous = signal.signal(signal.SIGINT, self)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _say(message: str) -> None:
+    """Write to stderr from a signal handler: a raw write, never the (maybe busy) buffered stream."""
+    with contextlib.suppress(OSError):
+        os.write(2, message.encode())
+
+
+def run_interruptible(
+    target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, conditions: list[Condition], mode: str,
+    progress: Progress,
+) -> Outcome:
+    """``stopcock.run`` with Ctrl+C wired to a stop signal (see :class:`CtrlC`)."""
+    stop = StopSignal()
+    ctrl_c = CtrlC(stop)
+    try:
+        with ctrl_c.installed():
+            return run(target, *args, stop=[stop, *conditions], mode=mode, on_step=progress, **kwargs)
+    except KeyboardInterrupt:
+        if ctrl_c.presses < 2:
+            raise
+        return abandoned(progress, stop)
+    finally:
+        progress.close()
+
+
+def abandoned(progress: Progress, stop: StopSignal) -> Outcome:
+    """The Outcome of a run abandoned by a second Ctrl+C: what the last finished step left."""
+    last = progress.last or StepState()
+    now = time.monotonic()
+    return Outcome(
+        stopped=True,
+        reason=INTERRUPTED,
+        steps=last.step,
+        total_steps=last.total,
+        elapsed=now - progress.started,
+        stop_latency=None if stop.stopped_at is None else now - stop.stopped_at,
+        output=None,
+        mode="abort",
+        latents=last.latents,
+        detail=f"second Ctrl+C: abandoned inside step {last.step + 1}; the result is what the"
+        f" {last.step} finished steps produced",
+        extra={"input_ids": last.input_ids},
+    )
+
+
+# -- reporting ---------------------------------------------------------------------------------------
+
+
+def exit_code(outcome: Outcome) -> int:
+    if not outcome.stopped:
+        return EXIT_COMPLETED
+    return EXIT_INTERRUPTED if outcome.reason == INTERRUPTED else EXIT_STOPPED
+
+
+def describe(outcome: Outcome, unit: str = "step") -> str:
+    """One readable line about an Outcome."""
+    total = f" of {outcome.total_steps}" if outcome.total_steps is not None else ""
+    head = f"stopped ({outcome.reason})" if outcome.stopped else f"completed ({outcome.reason})"
+    parts = [f"{head} after {outcome.steps}{total} {unit}s in {outcome.elapsed:.3f} s"]
+    if outcome.stop_latency is not None:
+        parts.append(f"stop latency {outcome.stop_latency * 1000:.1f} ms")
+    parts.append(f"mode {outcome.mode}")
+    if outcome.partial:
+        parts.append(f"partial image: {outcome.partial}")
+    text = ", ".join(parts)
+    return f"{text}. {outcome.detail}" if outcome.detail else text
+
+
+def report(outcome: Outcome, fields: dict[str, Any], *, as_json: bool, unit: str) -> int:
+    code = exit_code(outcome)
+    if as_json:
+        print(json.dumps({"command": fields.pop("command"), "model": fields.pop("model"),
+                          **outcome.summary(), "exit_code": code, **fields}))
+    else:
+        print(f"stopcock: {describe(outcome, unit)}", file=sys.stderr)
+    return code
+
+
+def _conditions(args: argparse.Namespace) -> list[Condition]:
+    found: list[Condition] = []
+    if args.timeout is not None:
+        found.append(timeout(args.timeout))
+    if getattr(args, "stop", None):
+        found.append(stop_strings(args.stop))
+    steps = getattr(args, "max_steps", None)
+    if steps is None:
+        steps = getattr(args, "stop_at_step", None)
+    if steps is not None:
+        found.append(max_steps(steps))
+    return found
+
+
+def _progress_style(args: argparse.Namespace, echoing: bool) -> str:
+    if args.progress != "auto":
+        return str(args.progress)
+    return "bar" if sys.stderr.isatty() and not echoing else "none"
+
+
+# -- commands ----------------------------------------------------------------------------------------
+
+
+def cmd_text(args: argparse.Namespace) -> int:
+    model_spec = resolve_model(args.model, "text")
+    model, tokenizer = load_text_model(model_spec)
+    inputs = tokenizer(args.prompt, return_tensors="pt")
+    prompt_length = inputs["input_ids"].shape[1]
+    echo = TextEcho(tokenizer, prompt_length, None if args.json else sys.stdout)
+    progress = Progress(_progress_style(args, echoing=not args.json), unit="token", echo=echo)
+    outcome = run_interruptible(
+        model, (), {**inputs, "max_new_tokens": args.max_new_tokens, "tokenizer": tokenizer},
+        conditions=_conditions(args), mode=args.mode, progress=progress,
+    )
+    echo.finish()
+    ids = outcome.output if outcome.output is not None else outcome.extra.get("input_ids")
+    text = "" if ids is None else tokenizer.decode(ids[0, prompt_length:], skip_special_tokens=True)
+    return report(outcome, {"command": "text", "model": model_spec, "text": text}, as_json=args.json,
+                  unit="token")
+
+
+def save_png(image: Any, path: Path, metadata: dict[str, Any]) -> None:
+    """Save a PIL image with ``metadata`` as JSON in the PNG text chunk ``stopcock``."""
+    from PIL.PngImagePlugin import PngInfo
+
+    info = PngInfo()
+    info.add_text("stopcock", json.dumps(metadata))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image.save(path, pnginfo=info)
+
+
+def image_of(outcome: Outcome) -> tuple[Any, str | None]:
+    """The image to save and what it is: the pipeline's ("complete" or "partial"), or, when the run
+    ended before any decode (abort mode, a second Ctrl+C), a rough "latent preview" made from the
+    last latents without the VAE (:func:`stopcock.stream.latent_preview`)."""
+    images = getattr(outcome.output, "images", None)
+    if images:
+        return images[0], "partial" if outcome.stopped else "complete"
+    if outcome.latents is None:
+        return None, None
+    from .stream import latent_preview
+
+    try:
+        return latent_preview(outcome.latents), "latent preview"
+    except ValueError:  # latents the linear map does not cover (not 4-channel SD latents)
+        return None, None
+
+
+def cmd_image(args: argparse.Namespace) -> int:
+    import torch
+
+    model_spec = resolve_model(args.model, "image")
+    pipe = load_image_pipeline(model_spec)
+    progress = Progress(_progress_style(args, echoing=False))
+    kwargs: dict[str, Any] = {
+        "num_inference_steps": args.steps,
+        "generator": torch.Generator("cpu").manual_seed(args.seed),
+        "partial": args.partial,
+    }
+    outcome = run_interruptible(pipe, (args.prompt,), kwargs, conditions=_conditions(args), mode=args.mode,
+                                progress=progress)
+    image, kind = image_of(outcome)
+    out = Path(args.out) if image is not None else None
+    fields = {"command": "image", "model": model_spec, "file": None if out is None else str(out),
+              "image": kind, "seed": args.seed}
+    if out is not None:
+        save_png(image, out, {**outcome.summary(), "exit_code": exit_code(outcome), "image": kind,
+                              "prompt": args.prompt, "model": model_spec, "seed": args.seed})
+    if not args.json:
+        saved = f"saved the {kind} image to {out}" if out is not None else "no image to save"
+        print(f"stopcock: {saved}", file=sys.stderr)
+    return report(outcome, fields, as_json=args.json, unit="step")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(Path(args.out))
+
+
+# -- parser ------------------------------------------------------------------------------------------
+
+
+def _number(kind: Callable[[str], Any], minimum: float, what: str) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not value >= minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
+
+    return parse
+
+
+_SECONDS = _number(float, 0.0, "a number of seconds >= 0")
+_COUNT = _number(int, 1, "an integer >= 1")
+_STEP = _number(int, 0, "an integer >= 0")
+
+
+def _add_common(p: argparse.ArgumentParser, model_kind: str) -> None:
+    p.add_argument("--model", metavar="PATH_OR_ID",
+                   help=f"a local folder or a hub id (default: the built-in demo {model_kind} model)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--timeout", type=_SECONDS, metavar="S", help="stop after S seconds")
+    p.add_argument("--mode", choices=("finish", "abort"), default="finish",
+                   help="finish: end at the next step with the partial result (default); abort: abandon "
+                        "the run inside the model at the next block")
+    p.add_argument("--json", action="store_true", help="print the Outcome as one JSON object on stdout")
+    p.add_argument("--progress", choices=("auto", "bar", "lines", "none"), default="auto",
+                   help="progress on stderr: a bar, one line per step, or none (auto: a bar on a terminal"
+                        " when nothing else is drawn)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="stopcock", description="Stop Hugging Face pipelines the right way.", epilog=_epilog(),
+        formatter_class=fmt,
+    )
+    parser.add_argument("--version", action="version", version=f"stopcock {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    demo = sub.add_parser("demo", help="show every stop path on tiny offline models", epilog=_epilog(),
+                          formatter_class=fmt)
+    demo.add_argument("--out", default="stopcock-demo.png",
+                      help="the PNG comparing the full and the stopped image (default: %(default)s)")
+    demo.set_defaults(func=cmd_demo)
+
+    text = sub.add_parser("text", help="generate text, streamed to stdout",
+                          epilog=f"{_epilog()}\n\n{JSON_SCHEMA}", formatter_class=fmt)
+    _add_common(text, "text")
+    text.add_argument("--max-new-tokens", type=_COUNT, default=100, metavar="N")
+    text.add_argument("--stop", nargs="+", metavar="STR", help="stop when the text contains one of these")
+    text.add_argument("--max-steps", type=_STEP, metavar="N", help="stop after N tokens")
+    text.set_defaults(func=cmd_text)
+
+    image = sub.add_parser("image", help="generate an image, saved as PNG with the Outcome in its metadata",
+                           epilog=f"{_epilog()}\n\n{JSON_SCHEMA}", formatter_class=fmt)
+    _add_common(image, "image")
+    image.add_argument("--steps", type=_COUNT, default=30, metavar="N", help="denoising steps (default 30)")
+    image.add_argument("--out", default="stopcock.png", metavar="FILE", help="default: %(default)s")
+    image.add_argument("--stop-at-step", type=_STEP, metavar="K", help="stop after K steps")
+    image.add_argument("--partial", choices=("denoised", "raw"), default="denoised",
+                       help="a stopped image shows the model's estimate of the clean image (denoised,"
+                            " default) or the noisy latents as they were (raw)")
+    image.add_argument("--seed", type=int, default=0)
+    image.set_defaults(func=cmd_image)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return int(args.func(args))
+    except CliError as exc:
+        print(f"stopcock: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("stopcock: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

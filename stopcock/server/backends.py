@@ -1,0 +1,224 @@
+"""The models behind the engine: one :class:`Backend` per kind of job, one lane per worker.
+
+A backend loads a model once, checks a job against it before the job is queued (``validate``),
+and builds a lane for each worker (``lane()``): its own pipeline object sharing the weights, so
+concurrent runs never share a pipeline's per-call state (a diffusers scheduler, ``_interrupt``).
+A lane runs one job with :func:`stopcock.run`: the job's stop signal plus its conditions as
+``stop=``, and ``on_step`` reporting progress, text and previews to the engine.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import stopcock
+
+from ..outcome import Outcome
+from ..state import StepState
+from ..stream import TextDecoder, latent_preview
+from .engine import Backend, InvalidJob, JobSpec, RunContext, png_base64
+
+__all__ = ["ImageBackend", "TextBackend", "conditions", "load_backends"]
+
+
+def conditions(stop: Mapping[str, Any]) -> list[stopcock.Condition]:
+    """The stopcock conditions for a job's ``stop`` object."""
+    found: list[stopcock.Condition] = []
+    if "timeout" in stop:
+        found.append(stopcock.timeout(stop["timeout"]))
+    if "deadline" in stop:
+        found.append(stopcock.deadline(stop["deadline"]))
+    if "max_steps" in stop:
+        found.append(stopcock.max_steps(stop["max_steps"]))
+    if stop.get("stop_strings"):
+        found.append(stopcock.stop_strings(stop["stop_strings"]))
+    return found
+
+
+class TextBackend:
+    """A ``text-generation`` pipeline."""
+
+    kind = "text"
+
+    def __init__(self, pipe: Any, name: str, description: str = "") -> None:
+        self.pipe = pipe
+        self.name = name
+        self.description = description
+        self.tokenizer = pipe.tokenizer
+        config = pipe.model.config
+        self.context = getattr(config, "max_position_embeddings", None) or getattr(
+            config, "n_positions", None
+        )
+
+    @classmethod
+    def load(cls, model: str, name: str | None = None, description: str = "") -> TextBackend:
+        """Load a folder or hub id (a clear :class:`~stopcock.cli.CliError` if that fails)."""
+        from transformers import pipeline
+
+        from ..cli import load_text_model
+
+        lm, tokenizer = load_text_model(model)
+        return cls(pipeline("text-generation", model=lm, tokenizer=tokenizer), name or model, description)
+
+    def prompt(self, spec: JobSpec) -> str:
+        """The prompt text; chat messages go through the tokenizer's chat template, if it has one."""
+        if spec.messages is None:
+            assert spec.prompt is not None
+            return spec.prompt
+        messages = [dict(m) for m in spec.messages]
+        if getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return str(text)
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+    def validate(self, spec: JobSpec) -> None:
+        tokens = len(self.tokenizer(self.prompt(spec))["input_ids"])
+        if tokens == 0:
+            raise InvalidJob("the prompt is empty once tokenized; give some text")
+        wanted = tokens + spec.params["max_tokens"]
+        if self.context is not None and wanted > self.context:
+            raise InvalidJob(
+                f"the prompt ({tokens} tokens) plus max_tokens ({spec.params['max_tokens']}) exceeds the"
+                f" model's context of {self.context} tokens; shorten the prompt or lower max_tokens"
+            )
+
+    def lane(self) -> TextLane:
+        from transformers import pipeline
+
+        return TextLane(self, pipeline("text-generation", model=self.pipe.model, tokenizer=self.tokenizer))
+
+
+class TextLane:
+    def __init__(self, backend: TextBackend, pipe: Any) -> None:
+        self.backend = backend
+        self.pipe = pipe
+
+    def execute(self, spec: JobSpec, ctx: RunContext) -> Outcome:
+        import torch
+
+        params = spec.params
+        prompt = self.backend.prompt(spec)
+        prompt_len = len(self.backend.tokenizer(prompt)["input_ids"])
+        decoder = TextDecoder(self.backend.tokenizer)
+        pieces: list[str] = []
+        consumed: int | None = None  # tokens of the row already decoded (the prompt, at first)
+        sampling: dict[str, Any] = {"do_sample": False}
+        if params["temperature"] > 0:
+            sampling = {"do_sample": True, "temperature": params["temperature"], "top_p": params["top_p"]}
+            if params.get("seed") is not None:
+                torch.manual_seed(params["seed"])  # process-wide: exact only with concurrency 1
+
+        def on_step(state: StepState) -> None:
+            nonlocal consumed
+            row = state.input_ids[0]
+            if consumed is None:
+                consumed = len(row) - state.step
+            pieces.append(decoder.push(row[consumed:].tolist()))
+            consumed = len(row)
+            ctx.text(pieces[-1], state.step)
+            ctx.progress(state.step, state.total)
+
+        outcome = stopcock.run(
+            self.pipe,
+            prompt,
+            stop=[ctx.signal, *conditions(spec.stop)],
+            on_step=on_step,
+            max_new_tokens=params["max_tokens"],
+            return_full_text=False,
+            **sampling,
+        )
+        pieces.append(decoder.flush())
+        ctx.text(pieces[-1], outcome.steps)
+        ctx.set_result(text="".join(pieces), prompt_tokens=prompt_len, completion_tokens=outcome.steps)
+        return outcome
+
+
+class ImageBackend:
+    """A diffusers pipeline (text-to-image)."""
+
+    kind = "image"
+
+    def __init__(self, pipe: Any, name: str, description: str = "") -> None:
+        self.pipe = pipe
+        self.name = name
+        self.description = description
+
+    @classmethod
+    def load(cls, model: str, name: str | None = None, description: str = "") -> ImageBackend:
+        """Load a folder or hub id (a clear :class:`~stopcock.cli.CliError` if that fails)."""
+        from ..cli import load_image_pipeline
+
+        return cls(load_image_pipeline(model), name or model, description)
+
+    def validate(self, spec: JobSpec) -> None:
+        return None  # the schema's limits (steps, sizes in multiples of 64) fit every SD-family model
+
+    def lane(self) -> ImageLane:
+        components = dict(self.pipe.components)
+        components["scheduler"] = copy.deepcopy(self.pipe.scheduler)
+        pipe = type(self.pipe)(**components)
+        pipe.set_progress_bar_config(disable=True)
+        return ImageLane(pipe)
+
+
+class ImageLane:
+    def __init__(self, pipe: Any) -> None:
+        self.pipe = pipe
+
+    def execute(self, spec: JobSpec, ctx: RunContext) -> Outcome:
+        import torch
+
+        params = spec.params
+        generator = torch.Generator().manual_seed(params["seed"] if params.get("seed") is not None else 0)
+        xl = "XL" in type(self.pipe).__name__
+        preview = params["previews"] and getattr(self.pipe, "vae", None) is not None
+
+        def on_step(state: StepState) -> None:
+            if preview and getattr(state.latents, "ndim", None) == 4 and state.latents.shape[1] == 4:
+                ctx.preview(latent_preview(state.latents, xl=xl), state.step)
+            ctx.progress(state.step, state.total)
+
+        outcome = stopcock.run(
+            self.pipe,
+            spec.prompt,
+            stop=[ctx.signal, *conditions(spec.stop)],
+            on_step=on_step,
+            partial=params["partial"],
+            num_inference_steps=params["steps"],
+            width=params["width"],
+            height=params["height"],
+            guidance_scale=params["guidance_scale"],
+            negative_prompt=params["negative_prompt"],
+            generator=generator,
+        )
+        images = getattr(outcome.output, "images", None)
+        ctx.set_result(image=None if not images else png_base64(images[0]), detail=outcome.detail)
+        return outcome
+
+
+def load_backends(text_model: str | None, image_model: str | None) -> dict[str, Backend]:
+    """The backends to serve: the models given, or both built-in demo models when none is.
+
+    A model is a local folder or a hub id; one that cannot be loaded raises
+    :class:`stopcock.cli.CliError` with a one-line message naming the fix.
+    """
+    from ..cli import resolve_model
+    from ..tiny.demo import DESCRIPTIONS
+
+    demo = text_model is None and image_model is None
+    backends: dict[str, Backend] = {}
+    if demo or text_model is not None:
+        backends["text"] = TextBackend.load(
+            resolve_model(text_model, "text"),
+            "stopcock-demo-text" if demo else None,
+            DESCRIPTIONS["text"] if demo else "",
+        )
+    if demo or image_model is not None:
+        backends["image"] = ImageBackend.load(
+            resolve_model(image_model, "image"),
+            "stopcock-demo-image" if demo else None,
+            DESCRIPTIONS["image"] if demo else "",
+        )
+    return backends

@@ -1,0 +1,522 @@
+"""The job engine: a registry of generation jobs, a bounded queue, worker slots and the stop path.
+
+The app talks to an :class:`Engine` only (submit, get, stop, events, result), with plain ids,
+owners and JSON-able views and events, so a distributed backend can replace :class:`LocalEngine`
+without touching the app. :class:`LocalEngine` runs jobs in-process: ``concurrency`` worker
+threads, each with its own lane of the models, take jobs from a bounded FIFO queue. A worker
+takes the next job only once its current run has returned, so a stopped job frees its slot when
+its pipeline has actually stopped, never before, and two runs never overlap on one lane.
+
+Job states: ``queued`` -> ``running`` -> ``stopping`` (a stop was requested) -> ``stopped`` |
+``completed`` | ``failed``; a queued job that is stopped goes straight to ``stopped`` without
+running. Events (``Event.type``): ``queued``, ``started``, ``progress`` (step, total), ``text``
+(a chunk of generated text), ``preview`` (a PNG of the current step, base64), ``done`` (the
+final view, with the Outcome summary).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import io
+import logging
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..outcome import Outcome
+from ..signal import StopSignal
+
+__all__ = [
+    "FINAL_STATES",
+    "Backend",
+    "Engine",
+    "Event",
+    "InvalidJob",
+    "JobNotFound",
+    "KindNotServed",
+    "JobSpec",
+    "JobView",
+    "Lane",
+    "LocalEngine",
+    "QueueFull",
+    "RunContext",
+]
+
+log = logging.getLogger("stopcock.server")
+
+FINAL_STATES = frozenset({"stopped", "completed", "failed"})
+
+
+class JobNotFound(LookupError):
+    """No job with this id for this owner (another owner's job is not found either)."""
+
+
+class QueueFull(RuntimeError):
+    """The queue holds ``queue_size`` jobs already: try again later."""
+
+
+class KindNotServed(LookupError):
+    """The server has no model for this kind of job."""
+
+
+class InvalidJob(ValueError):
+    """The job does not fit the model (e.g. a prompt longer than its context)."""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What to run: validated, JSON-able, backend-agnostic.
+
+    ``prompt`` is the text prompt, or None when ``messages`` (chat) is given. ``params`` are the
+    generation parameters of the kind; ``stop`` the stop conditions (timeout, deadline,
+    max_steps, stop_strings).
+    """
+
+    kind: str
+    prompt: str | None
+    params: Mapping[str, Any] = field(default_factory=dict)
+    stop: Mapping[str, Any] = field(default_factory=dict)
+    messages: tuple[Mapping[str, str], ...] | None = None
+
+
+@dataclass(frozen=True)
+class Event:
+    """One job event; ``seq`` counts from 1 in the order of the job's events."""
+
+    seq: int
+    type: str
+    data: Mapping[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"seq": self.seq, "type": self.type, **self.data}
+
+
+@dataclass(frozen=True)
+class JobView:
+    """A snapshot of a job, as the API shows it."""
+
+    id: str
+    kind: str
+    state: str
+    step: int
+    total: int | None
+    reason: str | None
+    stop_step: int | None
+    created: float
+    started: float | None
+    finished: float | None
+    outcome: Mapping[str, Any] | None
+    error: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class Lane(Protocol):
+    """A worker's own instance of one kind of model; runs one job at a time."""
+
+    def execute(self, spec: JobSpec, ctx: RunContext) -> Outcome: ...
+
+
+class Backend(Protocol):
+    """One kind of model: checks a job before it is queued, and builds a lane per worker."""
+
+    kind: str
+    name: str
+    description: str
+
+    def validate(self, spec: JobSpec) -> None: ...
+
+    def lane(self) -> Lane: ...
+
+
+class Engine(Protocol):
+    """What the app needs from a job engine. ``owner`` scopes every lookup.
+
+    ``models`` maps each served kind to ``{"id": ..., "description": ...}``.
+    """
+
+    models: Mapping[str, Mapping[str, str]]
+
+    async def submit(self, spec: JobSpec, owner: str) -> JobView: ...
+
+    async def get(self, job_id: str, owner: str) -> JobView: ...
+
+    async def stop(self, job_id: str, owner: str, reason: str = "user", wait: bool = True) -> JobView: ...
+
+    async def wait(self, job_id: str, owner: str, timeout: float | None = None) -> JobView: ...
+
+    def events(self, job_id: str, owner: str, after: int = 0) -> AsyncIterator[Event]: ...
+
+    async def result(self, job_id: str, owner: str) -> dict[str, Any]: ...
+
+    def stats(self) -> dict[str, int]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class _Changes:
+    """A version counter that threads and event loops can wait on."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.version = 0
+        self._wakers: list[Callable[[], None]] = []
+
+    def bump(self) -> None:
+        with self._cond:
+            self.version += 1
+            wakers, self._wakers = self._wakers, []
+            self._cond.notify_all()
+        for wake in wakers:
+            wake()
+
+    async def wait_past(self, version: int, timeout: float | None = None) -> None:
+        """Return once :attr:`version` exceeds ``version`` (or after ``timeout`` seconds)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+
+        def resolve() -> None:
+            if not future.done():
+                future.set_result(None)
+
+        def wake() -> None:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(resolve)
+
+        with self._cond:
+            if self.version > version:
+                return
+            self._wakers.append(wake)
+        try:
+            await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            with self._cond:
+                if wake in self._wakers:
+                    self._wakers.remove(wake)
+
+
+class _Job:
+    def __init__(self, spec: JobSpec, owner: str) -> None:
+        self.id = secrets.token_urlsafe(18)  # 144 random bits: unguessable
+        self.owner = owner
+        self.spec = spec
+        self.signal = StopSignal()
+        self.state = "queued"
+        self.step = 0
+        self.total: int | None = None
+        self.reason: str | None = None
+        self.stop_step: int | None = None  # the step reported last when a stop was first requested
+        self.created = time.time()
+        self.started: float | None = None
+        self.finished: float | None = None
+        self.outcome: dict[str, Any] | None = None
+        self.result: dict[str, Any] | None = None
+        self.error: str | None = None
+        self.events: list[Event | None] = []  # None: an older preview, dropped to bound memory
+        self._last_preview: int | None = None
+        self.changes = _Changes()
+        self.lock = threading.Lock()
+
+    def emit(self, type_: str, **data: Any) -> None:
+        with self.lock:
+            if type_ == "preview":
+                if self._last_preview is not None:
+                    self.events[self._last_preview] = None
+                self._last_preview = len(self.events)
+            self.events.append(Event(len(self.events) + 1, type_, data))
+        self.changes.bump()
+
+    def view(self) -> JobView:
+        with self.lock:
+            return JobView(
+                id=self.id,
+                kind=self.spec.kind,
+                state=self.state,
+                step=self.step,
+                total=self.total,
+                reason=self.reason,
+                stop_step=self.stop_step,
+                created=self.created,
+                started=self.started,
+                finished=self.finished,
+                outcome=self.outcome,
+                error=self.error,
+            )
+
+
+class RunContext:
+    """What a lane gets for one job: the stop signal, and ways to report progress and results."""
+
+    def __init__(self, job: _Job, step_delay: float) -> None:
+        self._job = job
+        self.signal = job.signal
+        self.step_delay = step_delay
+
+    def progress(self, step: int, total: int | None) -> None:
+        """Record a step; then wait ``step_delay`` seconds (a test-only throttle) unless stopped."""
+        job = self._job
+        with job.lock:
+            job.step, job.total = step, total
+        job.emit("progress", step=step, total=total)
+        if self.step_delay:
+            self.signal.wait(self.step_delay)
+
+    def text(self, chunk: str, step: int) -> None:
+        if chunk:
+            self._job.emit("text", text=chunk, step=step)
+
+    def preview(self, image: Any, step: int) -> None:
+        """Publish a PIL image as the job's current preview."""
+        self._job.emit("preview", step=step, image=png_base64(image))
+
+    def set_result(self, **result: Any) -> None:
+        with self._job.lock:
+            self._job.result = result
+
+
+def png_base64(image: Any) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+class LocalEngine:
+    """In-process engine: ``concurrency`` worker threads and a queue of at most ``queue_size``.
+
+    ``backends`` maps each served kind (``"text"``, ``"image"``) to its backend; each worker gets
+    its own lane of each. ``retain`` finished jobs are kept for reading; older ones are forgotten.
+    ``stop_wait`` bounds how long a stop request waits for the run to end before answering
+    with the job still ``stopping``. ``step_delay`` is the test-only per-step throttle.
+    """
+
+    def __init__(
+        self,
+        backends: Mapping[str, Backend],
+        *,
+        concurrency: int = 1,
+        queue_size: int = 16,
+        retain: int = 256,
+        stop_wait: float = 30.0,
+        step_delay: float = 0.0,
+    ) -> None:
+        if concurrency < 1 or queue_size < 0 or retain < 1:
+            raise ValueError("concurrency and retain must be >= 1 and queue_size >= 0")
+        if not backends:
+            raise ValueError("the engine needs at least one kind of model to serve")
+        self.backends = dict(backends)
+        self.models: Mapping[str, Mapping[str, str]] = {
+            kind: {"id": b.name, "description": b.description} for kind, b in backends.items()
+        }
+        self.queue_size = queue_size
+        self.retain = retain
+        self.stop_wait = stop_wait
+        self.step_delay = step_delay
+        self._lock = threading.Condition()
+        self._jobs: dict[str, _Job] = {}
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._finished: collections.deque[str] = collections.deque()
+        self._running = 0
+        self._closing = False
+        self._workers = [
+            threading.Thread(
+                target=self._work,
+                args=({kind: backend.lane() for kind, backend in backends.items()},),
+                name=f"stopcock-worker-{i}",
+                daemon=True,
+            )
+            for i in range(concurrency)
+        ]
+        for worker in self._workers:
+            worker.start()
+
+    # -- the Engine interface ----------------------------------------------------------------------
+    async def submit(self, spec: JobSpec, owner: str) -> JobView:
+        if spec.kind not in self.backends:
+            served = ", ".join(self.backends)
+            raise KindNotServed(f"this server has no {spec.kind} model; it serves: {served}")
+        self.backends[spec.kind].validate(spec)
+        job = _Job(spec, owner)
+        with self._lock:
+            if self._closing:
+                raise QueueFull("the server is shutting down")
+            if len(self._queue) >= self.queue_size:
+                raise QueueFull(f"the queue is full ({self.queue_size} jobs waiting); try again later")
+            self._jobs[job.id] = job
+            self._queue.append(job)
+            position = len(self._queue)
+            self._lock.notify()
+        job.emit("queued", position=position)
+        return job.view()
+
+    async def get(self, job_id: str, owner: str) -> JobView:
+        return self._find(job_id, owner).view()
+
+    async def stop(self, job_id: str, owner: str, reason: str = "user", wait: bool = True) -> JobView:
+        """Stop a job; with ``wait``, answer once the stop took effect (or ``stop_wait`` passed).
+
+        A queued job is removed from the queue and never runs; a running job stops at its next
+        step; a finished job is left as it is. Idempotent.
+        """
+        job = self._find(job_id, owner)
+        with self._lock:
+            dequeued = job.state == "queued" and job in self._queue
+            if dequeued:
+                self._queue.remove(job)
+            with job.lock:
+                if job.state not in FINAL_STATES and job.stop_step is None:
+                    job.stop_step = job.step
+                if job.state == "running":
+                    job.state = "stopping"
+        job.signal.stop(reason)
+        if dequeued:
+            self._finish(job, "stopped", reason, outcome=None, detail="stopped while queued: it never ran")
+        elif wait:
+            await self._wait_final(job, self.stop_wait)
+        return job.view()
+
+    async def wait(self, job_id: str, owner: str, timeout: float | None = None) -> JobView:
+        """The job's view once it has ended (or after ``timeout`` seconds)."""
+        job = self._find(job_id, owner)
+        await self._wait_final(job, timeout)
+        return job.view()
+
+    async def events(self, job_id: str, owner: str, after: int = 0) -> AsyncIterator[Event]:
+        """The job's events with ``seq > after``, as they come, ending with ``done``."""
+        job = self._find(job_id, owner)
+        while True:
+            version = job.changes.version
+            with job.lock:
+                new = [e for e in job.events[after:] if e is not None]
+                after = len(job.events)
+            for event in new:
+                yield event
+                if event.type == "done":
+                    return
+            await job.changes.wait_past(version)
+
+    async def result(self, job_id: str, owner: str) -> dict[str, Any]:
+        """The job's view and what it generated (None until it has ended)."""
+        job = self._find(job_id, owner)
+        view = job.view()
+        with job.lock:
+            result = job.result if view.state in FINAL_STATES else None
+        return {"job": view.to_json(), "result": result}
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "queued": len(self._queue),
+                "running": self._running,
+                "jobs": len(self._jobs),
+                "workers_alive": sum(w.is_alive() for w in self._workers),
+            }
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.close)
+
+    def close(self, timeout: float | None = 60.0) -> None:
+        """Stop every job (reason ``"shutdown"``) and join the workers."""
+        with self._lock:
+            self._closing = True
+            queued, self._queue = list(self._queue), collections.deque()
+            running = [j for j in self._jobs.values() if j.state in ("running", "stopping")]
+            self._lock.notify_all()
+        for job in queued:
+            job.signal.stop("shutdown")
+            self._finish(
+                job, "stopped", "shutdown", outcome=None, detail="stopped while queued: it never ran"
+            )
+        for job in running:
+            job.signal.stop("shutdown")
+        for worker in self._workers:
+            worker.join(timeout)
+
+    # -- internals -----------------------------------------------------------------------------------
+    def _find(self, job_id: str, owner: str) -> _Job:
+        job = self._jobs.get(job_id)
+        if job is None or not secrets.compare_digest(job.owner, owner):
+            raise JobNotFound(f"no job {job_id!r} (unknown, expired, or created with another key)")
+        return job
+
+    async def _wait_final(self, job: _Job, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            version = job.changes.version
+            if job.state in FINAL_STATES:
+                return
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return
+            await job.changes.wait_past(version, left)
+
+    def _work(self, lanes: Mapping[str, Lane]) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._closing:
+                    self._lock.wait()
+                if self._closing and not self._queue:
+                    return
+                job = self._queue.popleft()
+                self._running += 1
+                with job.lock:
+                    job.state = "stopping" if job.signal.stopped else "running"
+                    job.started = time.time()
+            ended: tuple[str, str, dict[str, Any] | None, str | None] | None = None
+            try:
+                ended = self._run(job, lanes[job.spec.kind])
+            finally:  # the slot is free once the run has returned; then the job's end is told
+                with self._lock:
+                    self._running -= 1
+                state, reason, summary, error = ended or ("failed", "error", None, "the worker was interrupted")
+                self._finish(job, state, reason, outcome=summary, error=error)
+
+    def _run(self, job: _Job, lane: Lane) -> tuple[str, str, dict[str, Any] | None, str | None]:
+        """Run the job; returns its final state, reason, Outcome summary and error."""
+        job.emit("started")
+        try:
+            outcome = lane.execute(job.spec, RunContext(job, self.step_delay))
+        except Exception as exc:  # the job reports it as failed; the worker lives on
+            log.exception("job %s failed", job.id)
+            return "failed", "error", None, f"{type(exc).__name__}: {exc}"
+        with job.lock:
+            job.step = outcome.steps
+            job.total = outcome.total_steps
+        return "stopped" if outcome.stopped else "completed", outcome.reason, outcome.summary(), None
+
+    def _finish(
+        self,
+        job: _Job,
+        state: str,
+        reason: str,
+        *,
+        outcome: dict[str, Any] | None,
+        detail: str | None = None,
+        error: str | None = None,
+    ) -> None:
+        with job.lock:
+            if outcome is None:  # it never ran, or failed: say so in the same shape
+                outcome = Outcome(
+                    stopped=state == "stopped",
+                    reason=reason,
+                    steps=job.step,
+                    total_steps=job.total,
+                    elapsed=0.0 if job.started is None else time.time() - job.started,
+                    stop_latency=None,
+                    output=None,
+                    detail=detail or error,
+                ).summary()
+            job.state, job.reason, job.finished = state, reason, time.time()
+            job.outcome, job.error = outcome, error
+        job.emit("done", **job.view().to_json())
+        with self._lock:
+            self._finished.append(job.id)
+            while len(self._finished) > self.retain:
+                self._jobs.pop(self._finished.popleft(), None)

@@ -1,0 +1,145 @@
+"""``stopcock serve``: the generation service on uvicorn.
+
+``add_parser(subparsers)`` registers the subcommand in the ``stopcock`` CLI; ``main(argv)`` runs it
+on its own. Importing this module is cheap: FastAPI, uvicorn and the models load on ``serve``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["STEP_DELAY_ENV", "add_parser", "main", "read_keys", "serve"]
+
+#: Test-only throttle: seconds to wait after each step of every job (so a browser test can click
+#: Stop before a tiny model finishes). A stop cuts the wait short. Never set it in production.
+STEP_DELAY_ENV = "STOPCOCK_SERVER_STEP_DELAY"
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535, got {value}")
+    return value
+
+
+def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--text-model", metavar="PATH_OR_ID", help="a text-generation model (default: demo)")
+    parser.add_argument("--image-model", metavar="PATH_OR_ID", help="a diffusers text-to-image pipeline")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback)"
+    )
+    parser.add_argument("--port", type=_port, default=8000, help="default: %(default)s")
+    keys = parser.add_mutually_exclusive_group()
+    keys.add_argument("--api-key", action="append", metavar="KEY", help="require this key (repeatable)")
+    keys.add_argument("--api-keys-file", metavar="FILE", help="require one of the keys in FILE, one per line")
+    parser.add_argument("--concurrency", type=_positive, default=1, metavar="N", help="jobs running at once")
+    parser.add_argument(
+        "--queue-size", type=_count, default=16, metavar="M", help="jobs waiting at most (429 beyond)"
+    )
+    parser.set_defaults(func=serve)
+    return parser
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    """Register ``serve`` in the ``stopcock`` command line."""
+    return configure(
+        subparsers.add_parser(
+            "serve",
+            help="serve the job API, an OpenAI-compatible API and a web page",
+            description="With no model arguments, serves the built-in demo models. Without keys, anyone who"
+            " reaches the address can use it: keep the default 127.0.0.1 or set --api-key.",
+        )
+    )
+
+
+def read_keys(args: argparse.Namespace) -> list[str]:
+    from ..cli import CliError
+
+    if args.api_keys_file is None:
+        return list(args.api_key or [])
+    try:
+        lines = Path(args.api_keys_file).read_text("utf-8").splitlines()
+    except OSError as exc:
+        raise CliError(f"cannot read --api-keys-file: {exc}") from None
+    keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    if not keys:
+        raise CliError(f"--api-keys-file {args.api_keys_file} holds no keys (one per line, # for comments)")
+    return keys
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run the service until Ctrl+C; running jobs are then stopped with reason ``"shutdown"``."""
+    import uvicorn
+
+    from .app import create_app
+    from .backends import load_backends
+    from .engine import LocalEngine
+
+    keys = read_keys(args)
+    if any(not k for k in keys):
+        from ..cli import CliError
+
+        raise CliError("an API key cannot be empty")
+    if not keys and not _loopback(args.host):
+        print(
+            f"stopcock serve: warning: {args.host} is not loopback and no --api-key is set: anyone who"
+            " reaches it can run and stop jobs",
+            file=sys.stderr,
+        )
+    backends = load_backends(args.text_model, args.image_model)
+    engine = LocalEngine(
+        backends,
+        concurrency=args.concurrency,
+        queue_size=args.queue_size,
+        step_delay=float(os.environ.get(STEP_DELAY_ENV, "0") or 0),
+    )
+    try:
+        config = uvicorn.Config(
+            create_app(engine, api_keys=keys), host=args.host, port=args.port, timeout_graceful_shutdown=5
+        )
+        uvicorn.Server(config).run()
+    finally:
+        engine.close()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m stopcock.server.serve``: the ``serve`` command alone."""
+    from ..cli import CliError
+
+    args = configure(argparse.ArgumentParser(prog="stopcock serve")).parse_args(argv)
+    try:
+        return serve(args)
+    except CliError as exc:
+        print(f"stopcock serve: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""stopcock.arun and stopcock.astream: cancelling the task stops the run, for both libraries."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import anyio
+import pytest
+import torch
+
+import stopcock
+from stopcock.stream import Done, Step, TextChunk
+
+BOUND = 60  # seconds: a hang guard for waits, never a timing assertion
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+class Pause:
+    """An on_step that records steps and worker threads, and holds the worker at step ``at``.
+
+    ``reached`` (a StopSignal, so a coroutine can await it) says the worker is held; the worker
+    goes on when ``release`` is set.
+    """
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+        self.steps: list[int] = []
+        self.workers: list[threading.Thread] = []
+        self.reached = stopcock.StopSignal()
+        self.release = threading.Event()
+
+    def __call__(self, state) -> None:
+        self.steps.append(state.step)
+        self.workers.append(threading.current_thread())
+        if state.step == self.at:
+            self.reached.stop("reached")
+            assert self.release.wait(BOUND)
+
+    def worker_ended(self) -> bool:
+        self.workers[0].join(BOUND)
+        return not self.workers[0].is_alive()
+
+
+@pytest.fixture
+def text_call(text_model, tokenizer):
+    inputs = tokenizer(["Hello"], return_tensors="pt")
+    return (text_model,), {**inputs, "tokenizer": tokenizer, "max_new_tokens": 200, "do_sample": False}
+
+
+@pytest.fixture
+def image_call(image_pipe):
+    return (image_pipe, "a cat"), {"num_inference_steps": 50, "generator": torch.Generator().manual_seed(0)}
+
+
+@pytest.fixture(params=["text", "image"])
+def call(request):
+    return request.getfixturevalue(f"{request.param}_call")
+
+
+def _clean(target) -> bool:
+    """No hooks left on any model of the target, and diffusers' interrupt flag reset."""
+    models = [target] if isinstance(target, torch.nn.Module) else [
+        c for c in target.components.values() if isinstance(c, torch.nn.Module)
+    ]
+    hooks = any(m._forward_pre_hooks or m._forward_hooks for model in models for m in model.modules())
+    return not hooks and not getattr(target, "_interrupt", False)
+
+
+def test_arun_under_plain_asyncio(text_model, tokenizer):
+    inputs = tokenizer(["Hello"], return_tensors="pt")
+    kwargs = {**inputs, "tokenizer": tokenizer, "max_new_tokens": 8, "do_sample": False}
+    outcome = asyncio.run(stopcock.arun(text_model, **kwargs))
+    assert outcome.reason == "length" and outcome.steps == 8
+    assert torch.equal(outcome.output, stopcock.run(text_model, **kwargs).output)
+
+
+async def test_cancelling_arun_stops_the_run_and_waits_for_it(call):
+    (target, *args), kwargs = call
+    pause = Pause(at=3)
+    task = asyncio.create_task(stopcock.arun(target, *args, on_step=pause, **kwargs))
+    await pause.reached.wait_async()
+    task.cancel()
+    # One pass of the loop: the cancelled task runs before this one resumes (FIFO), and it stops
+    # the run synchronously when the CancelledError reaches arun.
+    await asyncio.sleep(0)
+    pause.release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    steps_when_cancelled = list(pause.steps)
+    assert pause.worker_ended()
+    assert pause.steps == steps_when_cancelled == [1, 2, 3, 4]  # one step after the stop, then none
+    assert _clean(target)
+
+
+async def test_arun_raises_the_runs_exception(text_call):
+    (target,), kwargs = text_call
+
+    def on_step(state):
+        if state.step == 2:
+            raise KeyError("boom")
+
+    with pytest.raises(KeyError, match="boom"):
+        await stopcock.arun(target, on_step=on_step, **kwargs)
+    assert _clean(target)
+
+
+async def test_stop_from_the_event_loop_and_wait_async(text_call):
+    (target,), kwargs = text_call
+    signal, pause = stopcock.StopSignal(), Pause(at=2)
+    signal.on_stop(pause.release.set)
+    task = asyncio.create_task(stopcock.arun(target, stop=signal, on_step=pause, **kwargs))
+    await pause.reached.wait_async()
+    assert signal.stop("user")  # on the loop's thread
+    assert await signal.wait_async() == "user"
+    outcome = await task
+    assert outcome.stopped and outcome.reason == "user" and outcome.steps == 3
+
+
+async def test_astream_text_and_image(text_call, image_call, tokenizer):
+    (target,), kwargs = text_call
+    events = [e async for e in stopcock.astream(target, **{**kwargs, "max_new_tokens": 16})]
+    outcome = events[-1].outcome
+    new = outcome.output[0, kwargs["input_ids"].shape[1] :]
+    assert "".join(e.text for e in events if isinstance(e, TextChunk)) == tokenizer.decode(
+        new, skip_special_tokens=True
+    )
+    (pipe, prompt), kwargs = image_call
+    async with stopcock.astream(pipe, prompt, **{**kwargs, "num_inference_steps": 4}) as stream:
+        events = [e async for e in stream]
+    assert [e.step for e in events if isinstance(e, Step)] == [1, 2, 3, 4]
+    assert isinstance(events[-1], Done) and events[-1].outcome.reason == "completed"
+
+
+async def test_aclose_stops_the_run(call):
+    (target, *args), kwargs = call
+    pause = Pause(at=2)
+    stream = stopcock.astream(target, *args, on_step=pause, **kwargs)
+    stream.signal.on_stop(pause.release.set)
+    assert isinstance(await stream.__anext__(), (TextChunk, Step))
+    await pause.reached.wait_async()
+    await stream.aclose()
+    assert stream.outcome is not None and stream.outcome.reason == "cancelled"
+    assert stream.outcome.steps == 3 and pause.steps == [1, 2, 3]
+    assert pause.worker_ended() and _clean(target)
+    assert [e async for e in stream] == []
+
+
+async def test_cancelling_the_consuming_task_stops_the_stream(call):
+    (target, *args), kwargs = call
+    pause = Pause(at=3)
+    stream = stopcock.astream(target, *args, on_step=pause, **kwargs)
+    stream.signal.on_stop(pause.release.set)
+    received = []
+
+    async def consume():
+        async for event in stream:
+            received.append(event)
+
+    task = asyncio.create_task(consume())
+    await pause.reached.wait_async()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert pause.worker_ended()
+    assert stream.outcome is not None and stream.outcome.reason == "cancelled" and stream.outcome.steps == 4
+    assert pause.steps == [1, 2, 3, 4] and _clean(target)
+
+
+async def test_anyio_cancel_scope_stops_the_stream(call):
+    (target, *args), kwargs = call
+    pause = Pause(at=2)
+    stream = stopcock.astream(target, *args, on_step=pause, **kwargs)
+    stream.signal.on_stop(pause.release.set)
+
+    async def consume():
+        async for _event in stream:
+            pass
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(consume)
+        await pause.reached.wait_async()
+        group.cancel_scope.cancel()
+    assert stream.outcome is not None and stream.outcome.reason == "cancelled" and stream.outcome.steps == 3
+    assert pause.worker_ended() and _clean(target)
+
+
+async def test_anyio_cancel_scope_around_arun(text_call):
+    (target,), kwargs = text_call
+    pause = Pause(at=2)
+    finished = False
+    with anyio.CancelScope() as scope:
+
+        async def cancel_when_reached():
+            await pause.reached.wait_async()
+            scope.cancel()  # wakes the task awaiting arun first (FIFO), then the worker goes on
+            asyncio.get_running_loop().call_soon(pause.release.set)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(cancel_when_reached)
+            await stopcock.arun(target, on_step=pause, **kwargs)
+            finished = True
+    assert scope.cancelled_caught and not finished
+    assert pause.worker_ended() and pause.steps == [1, 2, 3]

@@ -1,0 +1,88 @@
+"""Smoke test of the benchmarks: each runs once on its smallest configuration (``--quick``).
+
+Benchmarks are not tests, so nothing here checks a timing. It checks that every benchmark runs,
+measures every arm (stopcock's included), and that the behaviour its numbers rest on holds: each
+stop lands before the end, abort mode does no more steps than finish mode, no denoiser or decoder
+forward starts after a stop, and the partial result is what was asked for.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from bench.__main__ import (
+    BENCHMARKS,
+    SUMMARY_END,
+    SUMMARY_START,
+    main,
+    readme_summary,
+    render,
+    run_benchmarks,
+    update_readme,
+)
+from bench.common import machine_info, quiet
+from bench.latency import ARMS
+
+
+@pytest.fixture(scope="module")
+def sections():
+    quiet()
+    return dict(zip(BENCHMARKS, run_benchmarks(list(BENCHMARKS), quick=True), strict=True))
+
+
+def test_every_benchmark_reports_tables(sections):
+    for section in sections.values():
+        assert section.tables and all(t.rows for t in section.tables), section.title
+    text = render(list(sections.values()), machine_info(), "python -m bench --quick", 1.0)
+    assert "| torch |" in text and "python -m bench --quick" in text
+    assert all(s.title in text for s in sections.values())
+
+
+def test_overhead_measures_stopcock_against_the_plain_call(sections):
+    data = sections["overhead"].data
+    for group in (data["text"], data["image"]):
+        for arms in group.values():
+            assert {"`run`, mode=finish", "`run`, mode=abort"} <= arms.keys()
+            assert all(math.isfinite(a["ratio"]) and a["ratio"] > 0 for a in arms.values())
+
+
+@pytest.mark.parametrize("name, scenario", [("latency", "image"), ("latency", "prefill"), ("blocks", None)])
+def test_stops_land_before_the_end_and_abort_does_no_more_steps(sections, name, scenario):
+    data = sections[name].data
+    scenarios = [data[scenario]] if scenario else list(data.values())
+    for result in scenarios:
+        assert set(ARMS) <= result.keys()
+        for arm in ARMS[1:]:
+            assert result[arm]["forwards_after_stop"] == 0, arm
+            assert result[arm]["latency_s"] > 0
+        total = result[ARMS[0]]["steps"]
+        assert result[ARMS[1]]["steps"] < total
+        assert result[ARMS[3]]["steps"] <= result[ARMS[2]]["steps"] < total
+
+
+def test_partial_results_are_what_was_asked(sections):
+    (case,) = sections["partial"].data.values()
+    assert case["another_seed_rmse"] > 0
+    for stop in case["stops"]:
+        assert stop["got"] == stop["asked"]  # DDIM gives an x0 estimate: no fallback to raw
+        assert math.isfinite(stop["rmse"]) and math.isfinite(stop["latent_mse"])
+
+
+def test_readme_summary_replaces_only_its_block(sections, tmp_path: Path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"before\n{SUMMARY_START}\nold\n{SUMMARY_END}\nafter\n")
+    assert update_readme(readme_summary(list(sections.values()), machine_info()), readme)
+    text = readme.read_text()
+    assert text.startswith("before\n") and text.endswith("\nafter\n") and "old" not in text
+    assert "bench/RESULTS.md" in text
+
+
+def test_main_writes_the_report_where_asked(tmp_path: Path):
+    out = tmp_path / "RESULTS.md"
+    assert main(["--quick", "--only", "blocks", "--out", str(out)]) == 0
+    assert "## 3. Per-block abort" in out.read_text()
+    with pytest.raises(SystemExit):
+        main(["--only", "nonsense"])

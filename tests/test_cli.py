@@ -1,0 +1,336 @@
+"""The command line, run as a subprocess the way people run it.
+
+Runs that must be caught mid-way are held by a gate, never timed: the child process installs a
+global forward pre-hook (test code, passed with ``python -c``) that, at the N-th forward of the
+chosen model, says so on stderr and then blocks reading stdin. The test sends SIGINT while the run
+is held, waits for the CLI's acknowledgement on stderr, then either releases the gate (one Ctrl+C)
+or sends a second SIGINT (two). The step the run stops at is therefore exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from stopcock.cli import EXIT_CODES, EXIT_COMPLETED, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_STOPPED, EXIT_USAGE
+
+# The gate, run in the child before the CLI. CLI_TEST_GATE="hold:CLASS:N" blocks the N-th forward
+# of a module of class CLASS until a line arrives on stdin; "slow:CLASS:SECONDS" makes every forward
+# of CLASS take at least SECONDS (a slow model, for the timeout test).
+GATE = """
+import os, sys, time
+from torch.nn.modules.module import register_module_forward_pre_hook
+mode, cls, arg = os.environ["CLI_TEST_GATE"].split(":")
+calls = 0
+def gate(module, args):
+    global calls
+    if type(module).__name__ != cls:
+        return
+    calls += 1
+    if mode == "slow":
+        time.sleep(float(arg))
+    elif calls == int(arg):
+        print(f"gate: holding forward {calls}", file=sys.stderr, flush=True)
+        sys.stdin.readline()
+register_module_forward_pre_hook(gate)
+from stopcock.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+ACK_ONCE = "Ctrl+C again to abort now"
+ACK_TWICE = "aborting now"
+PROMPT = "Beautiful is"
+
+
+@pytest.fixture(scope="session")
+def cache_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An XDG cache with the demo image model already built (shared by the image tests)."""
+    from stopcock.tiny.demo import DEMO_VERSION
+    from stopcock.tiny.image import build_image_model
+
+    home = tmp_path_factory.mktemp("xdg-cache")
+    build_image_model(home / "stopcock" / f"demo-image-v{DEMO_VERSION}")
+    return home
+
+
+@pytest.fixture(scope="session")
+def zen_text():
+    """The demo text model's greedy continuation of PROMPT after n tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from stopcock.tiny.demo import TEXT_MODEL
+
+    model = AutoModelForCausalLM.from_pretrained(TEXT_MODEL).eval()
+    tokenizer = AutoTokenizer.from_pretrained(TEXT_MODEL)
+    inputs = tokenizer(PROMPT, return_tensors="pt")
+    out = model.generate(**inputs, max_new_tokens=40, do_sample=False)
+    new = out[0, inputs["input_ids"].shape[1]:]
+    return lambda n: tokenizer.decode(new[:n], skip_special_tokens=True)
+
+
+def child_env(cache_home: Path, gate: str | None = None) -> dict[str, str]:
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache_home), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    if gate is not None:
+        env["CLI_TEST_GATE"] = gate
+    return env
+
+
+def cli(*args: str, cache_home: Path, gate: str | None = None) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-c", GATE] if gate else [sys.executable, "-m", "stopcock.cli"]
+    return subprocess.run([*command, *args], capture_output=True, text=True, env=child_env(cache_home, gate),
+                          timeout=600, stdin=subprocess.DEVNULL)
+
+
+class Held:
+    """A CLI child run through the gate, with stderr read line by line as it comes."""
+
+    def __init__(self, args: list[str], cache_home: Path, gate: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", GATE, *args], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     env=child_env(cache_home, gate))
+        self.stderr: list[str] = []
+        self.watchdog = threading.Timer(600, self.proc.kill)  # a safety net for a broken child, not a sync
+        self.watchdog.start()
+
+    def wait_for(self, text: str) -> None:
+        assert self.proc.stderr is not None
+        for raw in iter(self.proc.stderr.readline, b""):
+            self.stderr.append(raw.decode())
+            if text in self.stderr[-1]:
+                return
+        raise AssertionError(f"the CLI ended before printing {text!r}:\n{''.join(self.stderr)}")
+
+    def streamed(self) -> str:
+        """What the child has written to stdout so far (it flushes as it goes)."""
+        assert self.proc.stdout is not None
+        return self.proc.stdout.read1(1 << 16).decode()
+
+    def interrupt(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+
+    def release(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(b"\n")
+        self.proc.stdin.flush()
+
+    def finish(self) -> tuple[int, str, str]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None and self.proc.stderr is not None
+        self.proc.stdin.close()
+        out = self.proc.stdout.read().decode()
+        err = "".join(self.stderr) + self.proc.stderr.read().decode()
+        code = self.proc.wait()
+        self.watchdog.cancel()
+        return code, out, err
+
+
+def png_metadata(path: Path) -> dict:
+    with Image.open(path) as image:
+        return json.loads(image.text["stopcock"])
+
+
+# -- arguments and errors -------------------------------------------------------------------------
+
+
+def test_help_documents_exit_codes_and_json(cache_home):
+    top = cli("--help", cache_home=cache_home)
+    assert top.returncode == 0
+    for code in EXIT_CODES:
+        assert f"  {code} " in top.stdout
+    text_help = cli("text", "--help", cache_home=cache_home)
+    assert "--json prints one JSON object" in text_help.stdout and "exit_code" in text_help.stdout
+
+
+def test_exit_codes_are_distinct():
+    assert len({EXIT_COMPLETED, EXIT_ERROR, EXIT_USAGE, EXIT_STOPPED, EXIT_INTERRUPTED}) == 5
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["text"], "--prompt"),
+        (["text", "--prompt", "x", "--timeout", "-1"], "--timeout"),
+        (["text", "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens"),
+        (["text", "--prompt", "x", "--mode", "fast"], "--mode"),
+        (["image", "--prompt", "x", "--steps", "many"], "--steps"),
+        (["image", "--prompt", "x", "--partial", "half"], "--partial"),
+        (["frobnicate"], "frobnicate"),
+        ([], "COMMAND"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_clear_message(cache_home, args, named):
+    result = cli(*args, cache_home=cache_home)
+    assert result.returncode == EXIT_USAGE
+    assert named in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_missing_model_path_is_a_clear_error(cache_home, tmp_path):
+    result = cli("text", "--model", str(tmp_path / "nope"), "--prompt", "x", cache_home=cache_home)
+    assert result.returncode == EXIT_ERROR
+    assert f"model folder not found: {tmp_path / 'nope'}" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_hub_id_offline_is_a_clear_error(cache_home):
+    result = cli("image", "--model", "no-such-org/no-such-model", "--prompt", "x", cache_home=cache_home)
+    assert result.returncode == EXIT_ERROR
+    assert "'no-such-org/no-such-model' is not a local folder" in result.stderr
+    assert "HF_HUB_OFFLINE is set" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_folder_of_the_wrong_kind_is_a_clear_error(cache_home, tmp_path):
+    result = cli("text", "--model", str(tmp_path), "--prompt", "x", cache_home=cache_home)
+    assert result.returncode == EXIT_ERROR
+    assert f"cannot load the model in {tmp_path}" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+# -- text ------------------------------------------------------------------------------------------
+
+
+def test_text_completes_and_streams_to_stdout(cache_home, zen_text):
+    result = cli("text", "--prompt", PROMPT, "--max-new-tokens", "12", cache_home=cache_home)
+    assert result.returncode == EXIT_COMPLETED, result.stderr
+    assert result.stdout == zen_text(12) + "\n"
+    assert "completed (length) after 12 of 12 tokens" in result.stderr
+
+
+def test_text_stop_string_json(cache_home, zen_text):
+    result = cli("text", "--prompt", PROMPT, "--stop", ".", "--json", cache_home=cache_home)
+    assert result.returncode == EXIT_STOPPED, result.stderr
+    report = json.loads(result.stdout)  # stdout holds exactly one JSON object
+    assert report["command"] == "text" and report["stopped"] is True
+    assert report["reason"] == "stop_string"
+    assert report["text"] == " better than ugly."  # the trained model's words; the stop string is kept
+    assert report["text"] == zen_text(report["steps"])
+    assert report["exit_code"] == EXIT_STOPPED and report["total_steps"] == 100
+    assert {"elapsed", "stop_latency", "mode", "partial", "row_reasons", "detail", "model"} <= set(report)
+
+
+def test_text_max_steps(cache_home, zen_text):
+    result = cli("text", "--prompt", PROMPT, "--max-steps", "5", "--json", cache_home=cache_home)
+    report = json.loads(result.stdout)
+    assert result.returncode == EXIT_STOPPED
+    assert (report["reason"], report["steps"], report["text"]) == ("max_steps", 5, zen_text(5))
+
+
+def test_text_timeout_on_a_slow_model(cache_home, zen_text):
+    # every forward takes >= 20 ms, so 500 tokens take >= 10 s: the 0.3 s timeout must end the run
+    result = cli("text", "--prompt", PROMPT, "--max-new-tokens", "500", "--timeout", "0.3", "--json",
+                 cache_home=cache_home, gate="slow:GPT2LMHeadModel:0.02")
+    assert result.returncode == EXIT_STOPPED, result.stderr
+    report = json.loads(result.stdout)
+    assert report["reason"] == "timeout" and report["stopped"] is True
+    assert report["steps"] < 500 and report["text"] == zen_text(report["steps"])
+
+
+def test_text_ctrl_c_once_stops_at_the_next_token(cache_home, zen_text):
+    run = Held(["text", "--prompt", PROMPT, "--max-new-tokens", "500"], cache_home, "hold:GPT2LMHeadModel:4")
+    run.wait_for("gate: holding forward 4")
+    assert run.streamed() == zen_text(3)  # three tokens were printed before the fourth forward
+    run.interrupt()
+    run.wait_for(ACK_ONCE)
+    run.release()
+    code, out, err = run.finish()
+    assert code == EXIT_INTERRUPTED
+    assert out == zen_text(4)[len(zen_text(3)):] + "\n"  # the token in flight completes, then it stops
+    assert "stopped (interrupted) after 4 of 500 tokens" in err and "mode finish" in err
+
+
+def test_text_ctrl_c_twice_aborts_inside_the_forward(cache_home, zen_text):
+    run = Held(["text", "--prompt", PROMPT, "--max-new-tokens", "500", "--json"], cache_home,
+               "hold:GPT2LMHeadModel:4")
+    run.wait_for("gate: holding forward 4")
+    run.interrupt()
+    run.wait_for(ACK_ONCE)
+    run.interrupt()
+    run.wait_for(ACK_TWICE)
+    code, out, _ = run.finish()
+    report = json.loads(out)
+    assert code == EXIT_INTERRUPTED == report["exit_code"]
+    assert (report["reason"], report["mode"], report["steps"]) == ("interrupted", "abort", 3)
+    assert report["text"] == zen_text(3)  # what the finished tokens made; the fourth never came
+
+
+# -- image -----------------------------------------------------------------------------------------
+
+
+def test_image_completes_with_the_outcome_in_the_png(cache_home, tmp_path):
+    out = tmp_path / "full.png"
+    result = cli("image", "--prompt", "a cat", "--steps", "4", "--out", str(out), "--json",
+                 cache_home=cache_home)
+    assert result.returncode == EXIT_COMPLETED, result.stderr
+    report = json.loads(result.stdout)
+    assert (report["reason"], report["steps"], report["image"], report["file"]) == (
+        "completed", 4, "complete", str(out))
+    meta = png_metadata(out)
+    assert meta["stopped"] is False and meta["steps"] == 4 and meta["prompt"] == "a cat"
+
+
+def test_image_stop_at_step_progress_lines(cache_home, tmp_path):
+    out = tmp_path / "stopped.png"
+    result = cli("image", "--prompt", "a cat", "--steps", "20", "--stop-at-step", "3", "--partial", "raw",
+                 "--progress", "lines", "--out", str(out), cache_home=cache_home)
+    assert result.returncode == EXIT_STOPPED, result.stderr
+    assert [line for line in result.stderr.splitlines() if line.startswith("step ")][-1].startswith("step 3/20")
+    assert "saved the partial image" in result.stderr
+    meta = png_metadata(out)
+    assert (meta["reason"], meta["steps"], meta["total_steps"], meta["partial"]) == ("max_steps", 3, 20, "raw")
+
+
+def test_image_ctrl_c_once_saves_the_partial_image(cache_home, tmp_path):
+    out = tmp_path / "interrupted.png"
+    run = Held(["image", "--prompt", "a cat", "--steps", "200", "--out", str(out), "--json"], cache_home,
+               "hold:UNet2DConditionModel:3")
+    run.wait_for("gate: holding forward 3")
+    run.interrupt()
+    run.wait_for(ACK_ONCE)
+    run.release()
+    code, stdout, _ = run.finish()
+    report = json.loads(stdout)
+    assert code == EXIT_INTERRUPTED == report["exit_code"]
+    assert (report["reason"], report["steps"], report["mode"], report["image"]) == (
+        "interrupted", 3, "finish", "partial")
+    meta = png_metadata(out)
+    assert (meta["reason"], meta["steps"], meta["partial"]) == ("interrupted", 3, "denoised")
+    with Image.open(out) as image:
+        assert image.size == (64, 64)
+
+
+def test_image_ctrl_c_twice_aborts_and_keeps_a_latent_preview(cache_home, tmp_path):
+    out = tmp_path / "aborted.png"
+    run = Held(["image", "--prompt", "a cat", "--steps", "200", "--out", str(out), "--json"], cache_home,
+               "hold:UNet2DConditionModel:3")
+    run.wait_for("gate: holding forward 3")
+    run.interrupt()
+    run.wait_for(ACK_ONCE)
+    run.interrupt()
+    run.wait_for(ACK_TWICE)
+    code, stdout, _ = run.finish()
+    report = json.loads(stdout)
+    assert code == EXIT_INTERRUPTED
+    assert (report["reason"], report["steps"], report["mode"], report["image"]) == (
+        "interrupted", 2, "abort", "latent preview")
+    assert "abandoned inside step 3" in report["detail"]
+    meta = png_metadata(out)
+    assert (meta["reason"], meta["steps"], meta["image"]) == ("interrupted", 2, "latent preview")
+
+
+def test_image_abort_mode_saves_a_latent_preview(cache_home, tmp_path):
+    out = tmp_path / "abort.png"
+    result = cli("image", "--prompt", "a cat", "--steps", "10", "--stop-at-step", "2", "--mode", "abort",
+                 "--out", str(out), "--json", cache_home=cache_home)
+    report = json.loads(result.stdout)
+    assert result.returncode == EXIT_STOPPED
+    assert (report["mode"], report["image"], report["steps"]) == ("abort", "latent preview", 2)
+    assert png_metadata(out)["mode"] == "abort"

@@ -1,0 +1,139 @@
+"""Every kind of diffusers pipeline stops at a step boundary, cleanly (tiny real pipelines).
+
+One pipeline per survey category: A (SD, SDXL, Flux), B (LCM, InstructPix2Pix), D (Semantic SD,
+legacy callback), E (DDPM), a modular pipeline (modular SDXL) and a combined one (Kandinsky 2.2).
+Denoiser forwards are counted with hooks to check that no step starts after the stop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+
+import stopcock
+from stopcock.tiny import image as tiny
+
+STEPS = 4
+
+
+@dataclass
+class Kind:
+    name: str
+    build: Any
+    call: dict[str, Any]
+    denoisers: tuple[str, ...]  # component names, in stage order
+    native: bool  # honours interrupt: finishes (decodes) after a stop
+    stage_steps: tuple[int, ...] = (STEPS,)
+    seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+IMAGE = PIL.Image.fromarray(np.full((32, 32, 3), 128, dtype=np.uint8))
+KINDS = [
+    Kind("sd", tiny.stable_diffusion_pipeline, {"prompt": "a cat"}, ("unet",), True),
+    Kind("sdxl", tiny.sdxl_pipeline, {"prompt": "a cat"}, ("unet",), True),
+    Kind("flux", tiny.flux_pipeline, {"prompt": "a cat", "height": 32, "width": 32, "max_sequence_length": 16},
+         ("transformer",), True),
+    Kind("lcm", tiny.lcm_pipeline, {"prompt": "a cat"}, ("unet",), False),
+    Kind("pix2pix", tiny.instruct_pix2pix_pipeline, {"prompt": "a cat", "image": IMAGE}, ("unet",), False),
+    Kind("semantic", tiny.semantic_pipeline, {"prompt": "a cat"}, ("unet",), False),
+    Kind("ddpm", tiny.ddpm_pipeline, {}, ("unet",), False),
+    Kind("modular-sdxl", tiny.modular_sdxl_pipeline, {"prompt": "a cat", "output": "images"}, ("unet",), False),
+    Kind("kandinsky-combined", tiny.kandinsky_combined_pipeline,
+         {"prompt": "a cat", "height": 64, "width": 64, "prior_num_inference_steps": 3},
+         ("prior_prior", "unet"), False, stage_steps=(3, STEPS)),
+]
+
+
+def call_kwargs(kind: Kind) -> dict[str, Any]:
+    kwargs = {**kind.call, "num_inference_steps": STEPS, "generator": torch.Generator().manual_seed(kind.seed)}
+    if "output" not in kwargs:
+        kwargs["output_type"] = "np"
+    return kwargs
+
+
+def images(output: Any) -> np.ndarray:
+    found = output if isinstance(output, list) else output.images
+    return np.stack([np.asarray(i, dtype=np.float32) for i in found])
+
+
+@pytest.fixture(scope="module", params=KINDS, ids=lambda k: k.name)
+def kind_pipe(request):
+    """(kind, pipeline, reference images of a full run on a fresh pipeline, forwards per step)."""
+    kind = request.param
+    torch.set_num_threads(1)
+    pipe = kind.build(seed=kind.seed)
+    counts = {name: 0 for name in kind.denoisers}
+    handles = [
+        pipe.components[name].register_forward_pre_hook(lambda m, a, n=name: counts.__setitem__(n, counts[n] + 1))
+        for name in kind.denoisers
+    ]
+    reference = images(pipe(**call_kwargs(kind)))
+    for h in handles:
+        h.remove()
+    per_step = tuple(counts[n] // s for n, s in zip(kind.denoisers, kind.stage_steps))
+    assert all(counts[n] == p * s for n, p, s in zip(kind.denoisers, per_step, kind.stage_steps))
+    return kind, pipe, reference, per_step
+
+
+def assert_clean(pipe: Any, counted: Any = ()) -> None:
+    """No hook (but the test's ``counted`` ones), no wrapper, no raised flag left behind."""
+    assert not getattr(pipe, "_interrupt", False)
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module):
+            assert all(len(m._forward_pre_hooks) == (m in counted) for m in component.modules())
+        assert "step" not in getattr(component, "__dict__", {})
+
+
+def test_completed_run_is_the_plain_call(kind_pipe):
+    kind, pipe, reference, _ = kind_pipe
+    outcome = stopcock.run(pipe, **call_kwargs(kind), stop=stopcock.timeout(3600))
+    assert not outcome.stopped and outcome.reason == "completed"
+    assert outcome.steps == sum(kind.stage_steps) == outcome.total_steps
+    np.testing.assert_array_equal(images(outcome.output), reference)
+    assert_clean(pipe)
+
+
+@pytest.mark.parametrize("mode", ["finish", "abort"])
+@pytest.mark.parametrize("at", [1, 3])
+def test_stop_at_step(kind_pipe, count_forwards, mode, at):
+    kind, pipe, reference, per_step = kind_pipe
+    counts = count_forwards(*(pipe.components[n] for n in kind.denoisers))
+    seen = []
+    outcome = stopcock.run(pipe, **call_kwargs(kind), stop=stopcock.max_steps(at), mode=mode, on_step=seen.append)
+
+    assert outcome.stopped and outcome.reason == "max_steps"
+    assert outcome.steps == at == len(seen)
+    # After the step where the stop is seen, no denoiser forward: not in this stage, not in the next.
+    done = at
+    for name, per, steps in zip(kind.denoisers, per_step, kind.stage_steps):
+        assert counts[pipe.components[name]] == per * min(done, steps), name
+        done = max(0, done - steps)
+    torch.testing.assert_close(outcome.latents, seen[-1].latents, rtol=0, atol=0)
+    assert outcome.partial == "raw"
+    if mode == "finish" and kind.native:
+        assert outcome.mode == "finish" and outcome.detail is None
+        assert images(outcome.output).shape == reference.shape
+        assert outcome.extra["path"] == "interrupt"
+    else:
+        assert outcome.mode == "abort" and outcome.output is None
+        assert (mode == "abort") == (outcome.detail is None)
+        if mode == "finish":
+            assert "cannot finish early" in outcome.detail
+    assert_clean(pipe, counted=counts)
+    # The next run with the same seed is the same as a fresh pipeline's.
+    np.testing.assert_array_equal(images(pipe(**call_kwargs(kind))), reference)
+
+
+def test_total_steps_known_before_the_first_step(kind_pipe):
+    kind, pipe, _, _ = kind_pipe
+    states = []
+    stopcock.run(pipe, **call_kwargs(kind), stop=stopcock.max_steps(1), on_step=states.append)
+    # Single-stage pipelines plan num_inference_steps; a combined one learns its stage's count as it starts.
+    assert states[0].total == (STEPS if len(kind.stage_steps) == 1 else kind.stage_steps[0])
+    assert states[0].step == 1 and states[0].timestep is not None

@@ -1,0 +1,279 @@
+"""The generation service: job API, per-job stop, queue, keys and limits, on a real uvicorn server.
+
+Jobs run the tiny real models. To catch a job mid-run without racing it, jobs ask for many steps
+and the engine's test-only ``step_delay`` throttle keeps them running; tests wait for progress
+events (never sleep) before stopping, and a stop cuts the throttle short.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from stopcock.server.app import create_app
+from stopcock.server.backends import ImageBackend, TextBackend
+from stopcock.server.engine import LocalEngine
+from stopcock.server.testing import running
+
+LONG = 1000  # tokens: more than any test lets a job run
+DELAY = 0.01  # the test-only per-step throttle
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def backends(text_pipe, image_pipe):
+    return {"text": TextBackend(text_pipe, "tiny-text"), "image": ImageBackend(image_pipe, "tiny-sd")}
+
+
+@contextlib.contextmanager
+def serve(backends, *, keys=(), **engine_options: Any) -> Iterator[tuple[httpx.Client, LocalEngine]]:
+    engine = LocalEngine(backends, **{"step_delay": DELAY, **engine_options})
+    try:
+        with running(create_app(engine, api_keys=keys)) as url, httpx.Client(base_url=url, timeout=60) as client:
+            yield client, engine
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def server(backends):
+    with serve(backends, concurrency=1, queue_size=4) as (client, engine):
+        yield client
+
+
+def events(client: httpx.Client, job_id: str, headers: dict[str, str] | None = None) -> Iterator[dict[str, Any]]:
+    """The job's events as they come (the stream closes when the iterator is dropped)."""
+    with client.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers) as response:
+        assert response.status_code == 200, response.read()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                yield json.loads(line[6:])
+
+
+def wait_for_step(client: httpx.Client, job_id: str, step: int, **kw: Any) -> dict[str, Any]:
+    for event in events(client, job_id, **kw):
+        if event["type"] == "progress" and event["step"] >= step:
+            return event
+        assert event["type"] != "done", f"the job ended before step {step}: {event}"
+    raise AssertionError("the event stream ended without a done event")
+
+
+def submit(client: httpx.Client, body: dict[str, Any], **kw: Any) -> dict[str, Any]:
+    response = client.post("/v1/jobs", json=body, **kw)
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+def text_job(max_tokens: int = LONG, **stop: Any) -> dict[str, Any]:
+    return {"kind": "text", "prompt": "Once upon a time", "parameters": {"max_tokens": max_tokens}, "stop": stop}
+
+
+def test_text_job_runs_and_streams_its_text(server):
+    job = submit(server, text_job(12))
+    assert job["state"] == "queued" and len(job["id"]) >= 22
+    seen = list(events(server, job["id"]))
+    types = [e["type"] for e in seen]
+    assert types[:2] == ["queued", "started"] and types[-1] == "done"
+    assert [e["seq"] for e in seen] == list(range(1, len(seen) + 1))
+    assert [e["step"] for e in seen if e["type"] == "progress"] == list(range(1, 13))
+    done = seen[-1]
+    assert (done["state"], done["reason"], done["step"], done["total"]) == ("completed", "length", 12, 12)
+    found = server.get(f"/v1/jobs/{job['id']}/result").json()
+    assert found["result"]["text"] == "".join(e["text"] for e in seen if e["type"] == "text") != ""
+    assert found["job"]["outcome"]["steps"] == 12
+    # replay from a cursor: only the later events
+    assert [e["seq"] for e in events(server, job["id"], headers={"Last-Event-ID": str(len(seen) - 2)})] == [
+        len(seen) - 1,
+        len(seen),
+    ]
+
+
+def test_stop_mid_run_answers_once_it_took_effect(server):
+    job = submit(server, text_job())
+    seen = wait_for_step(server, job["id"], 3)
+    stopped = server.post(f"/v1/jobs/{job['id']}/stop").json()
+    assert (stopped["state"], stopped["reason"]) == ("stopped", "user")
+    assert seen["step"] <= stopped["step"] < LONG
+    assert stopped["outcome"]["stopped"] is True and stopped["outcome"]["steps"] == stopped["step"]
+    # the step in flight when the stop arrived, plus at most the one its check had already let through
+    assert stopped["step"] - stopped["stop_step"] <= 2
+    assert server.get(f"/v1/jobs/{job['id']}").json() == stopped
+    assert server.post(f"/v1/jobs/{job['id']}/stop").json() == stopped  # idempotent
+    result = server.get(f"/v1/jobs/{job['id']}/result").json()["result"]
+    assert result["completion_tokens"] == stopped["step"] and result["text"]
+
+
+def test_stop_after_the_end_reports_the_end(server):
+    job = submit(server, text_job(3))
+    done = list(events(server, job["id"]))[-1]
+    again = server.post(f"/v1/jobs/{job['id']}/stop").json()
+    assert (again["state"], again["reason"], again["step"]) == ("completed", "length", 3) == (
+        done["state"],
+        done["reason"],
+        done["step"],
+    )
+
+
+def test_conditions_stop_a_job(server):
+    job = submit(server, text_job(max_steps=5))
+    done = list(events(server, job["id"]))[-1]
+    assert (done["state"], done["reason"], done["step"]) == ("stopped", "max_steps", 5)
+
+
+def test_unknown_job_is_a_404_everywhere(server):
+    for method, path in [("GET", ""), ("POST", "/stop"), ("GET", "/events"), ("GET", "/result")]:
+        response = server.request(method, f"/v1/jobs/not-a-job{path}")
+        assert response.status_code == 404
+        assert "no job" in response.json()["error"]["message"]
+
+
+def test_queue_bound_queued_stop_and_slot_release(backends):
+    with serve(backends, concurrency=1, queue_size=1) as (client, engine):
+        running_job = submit(client, text_job())
+        wait_for_step(client, running_job["id"], 1)
+        queued = submit(client, text_job())
+        full = client.post("/v1/jobs", json=text_job())
+        assert full.status_code == 429 and "queue is full" in full.json()["error"]["message"]
+        assert full.headers["retry-after"]
+
+        # stopping a queued job removes it without running it
+        dropped = client.post(f"/v1/jobs/{queued['id']}/stop").json()
+        assert (dropped["state"], dropped["reason"], dropped["step"], dropped["started"]) == ("stopped", "user", 0, None)
+        assert "never ran" in dropped["outcome"]["detail"]
+        assert [e["type"] for e in events(client, queued["id"])] == ["queued", "done"]
+
+        # the running job stops; its slot is freed only once it has, and the next job then runs
+        nxt = submit(client, text_job(4))
+        first = client.post(f"/v1/jobs/{running_job['id']}/stop").json()
+        assert first["state"] == "stopped"
+        done = list(events(client, nxt["id"]))[-1]
+        assert (done["state"], done["step"]) == ("completed", 4)
+        assert done["started"] >= first["finished"]  # the runs never overlapped
+        assert engine.stats()["running"] == 0 and engine.stats()["queued"] == 0
+
+
+def test_a_stop_at_any_moment_takes_effect(backends):
+    """Submit and stop at once, many times, unthrottled: queued, just taken by the worker, or running,
+    every job ends stopped by the user; one that never started never ran a step."""
+    with serve(backends, concurrency=1, queue_size=2, step_delay=0) as (client, _):
+        for _ in range(20):
+            job = submit(client, text_job(LONG))
+            stopped = client.post(f"/v1/jobs/{job['id']}/stop").json()
+            assert (stopped["state"], stopped["reason"]) == ("stopped", "user"), stopped
+            assert stopped["step"] <= stopped["stop_step"] + 2 < LONG
+            if stopped["started"] is None:
+                assert stopped["step"] == 0
+
+
+def test_image_job_previews_and_a_partial_image(server):
+    body = {"kind": "image", "prompt": "a red square", "parameters": {"steps": 200, "seed": 1}}
+    job = submit(server, body)
+    previews = []
+    for event in events(server, job["id"]):
+        previews += [event] if event["type"] == "preview" else []
+        if event["type"] == "progress" and event["step"] >= 2:
+            break
+    assert previews and previews[0]["image"].startswith("iVBOR")  # PNG, base64
+    stopped = server.post(f"/v1/jobs/{job['id']}/stop").json()
+    assert (stopped["state"], stopped["reason"], stopped["total"]) == ("stopped", "user", 200)
+    assert 2 <= stopped["step"] < 200 and stopped["outcome"]["partial"] == "denoised"
+    result = server.get(f"/v1/jobs/{job['id']}/result").json()["result"]
+    assert result["image"].startswith("iVBOR")
+
+
+def test_shutdown_stops_running_jobs_and_joins_the_workers(backends):
+    before = set(threading.enumerate())
+    with serve(backends, concurrency=2, queue_size=2) as (client, engine):
+        jobs = [submit(client, text_job()) for _ in range(3)]
+        wait_for_step(client, jobs[0]["id"], 1)
+        engine.close()
+        views = [client.get(f"/v1/jobs/{j['id']}").json() for j in jobs]
+        assert {v["state"] for v in views} == {"stopped"} and {v["reason"] for v in views} == {"shutdown"}
+        assert engine.stats()["workers_alive"] == 0
+        refused = client.post("/v1/jobs", json=text_job(2))
+        assert refused.status_code == 429
+    assert set(threading.enumerate()) <= before
+
+
+# -- keys ----------------------------------------------------------------------------------------------
+def test_keys_guard_every_endpoint_and_scope_jobs_to_their_key(backends):
+    alice, bob = {"Authorization": "Bearer alice-key"}, {"Authorization": "Bearer bob-key"}
+    with serve(backends, keys=["alice-key", "bob-key"], concurrency=1, queue_size=2) as (client, _):
+        job = submit(client, text_job(), headers=alice)
+        for method, path, body in [
+            ("POST", "/v1/jobs", text_job(2)),
+            ("GET", f"/v1/jobs/{job['id']}", None),
+            ("POST", f"/v1/jobs/{job['id']}/stop", None),
+            ("GET", f"/v1/jobs/{job['id']}/events", None),
+            ("GET", f"/v1/jobs/{job['id']}/result", None),
+            ("GET", "/v1/models", None),
+            ("GET", "/v1/health", None),
+            ("POST", "/v1/completions", {"model": "tiny-text", "prompt": "hi"}),
+            ("POST", "/v1/chat/completions", {"model": "tiny-text", "messages": [{"role": "user", "content": "x"}]}),
+            ("POST", "/v1/images/generations", {"prompt": "x"}),
+        ]:
+            for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": "alice-key"}):
+                response = client.request(method, path, json=body, headers=headers)
+                assert response.status_code == 401, (method, path, headers)
+                assert response.json()["error"]["code"] == "invalid_api_key"
+        # bob can neither read nor stop alice's job; it is not even found
+        assert client.get(f"/v1/jobs/{job['id']}", headers=bob).status_code == 404
+        assert client.post(f"/v1/jobs/{job['id']}/stop", headers=bob).status_code == 404
+        assert client.get(f"/v1/jobs/{job['id']}", headers=alice).json()["state"] in ("queued", "running")
+        stopped = client.post(f"/v1/jobs/{job['id']}/stop", headers=alice).json()
+        assert (stopped["state"], stopped["reason"]) == ("stopped", "user")
+        assert client.get("/").status_code == 200  # the page itself is static: no key, no data
+
+
+# -- limits --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("body", "status", "words"),
+    [
+        ({"kind": "text", "prompt": "x" * 4001}, 422, "prompt"),
+        ({"kind": "text", "prompt": ""}, 422, "prompt"),
+        ({"kind": "text", "prompt": "x", "parameters": {"max_tokens": 5000}}, 422, "max_tokens"),
+        ({"kind": "text", "prompt": "x", "parameters": {"max_tokens": 0}}, 422, "max_tokens"),
+        ({"kind": "text", "prompt": "x", "parameters": {"beams": 2}}, 422, "beams"),
+        ({"kind": "text", "prompt": "x", "stop": {"timeout": -1}}, 422, "timeout"),
+        ({"kind": "text", "prompt": "x", "stop": {"stop_strings": ["a"] * 5}}, 422, "stop_strings"),
+        ({"kind": "image", "prompt": "x", "parameters": {"steps": 201}}, 422, "steps"),
+        ({"kind": "image", "prompt": "x", "parameters": {"width": 100}}, 422, "width"),
+        ({"kind": "image", "prompt": "x", "parameters": {"height": 4096}}, 422, "height"),
+        ({"kind": "image", "prompt": "x", "stop": {"stop_strings": ["a"]}}, 422, "text jobs only"),
+        ({"kind": "video", "prompt": "x"}, 422, "kind"),
+        ({"kind": "text", "prompt": "word " * 100, "parameters": {"max_tokens": 1024}}, 400, "context"),
+    ],
+)
+def test_limits_answer_4xx_with_a_json_error(server, body, status, words):
+    response = server.post("/v1/jobs", json=body)
+    assert response.status_code == status
+    assert words in response.json()["error"]["message"]
+
+
+def test_malformed_and_oversized_bodies(server):
+    response = server.post("/v1/jobs", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert response.status_code == 422 and response.json()["error"]["message"]
+    response = server.post("/v1/jobs", content=b"x" * ((1 << 20) + 1), headers={"Content-Type": "application/json"})
+    assert response.status_code == 413 and "at most" in response.json()["error"]["message"]
+    assert server.get("/no/such/route").json()["error"]["message"]
+
+
+def test_image_job_on_a_text_only_server_is_refused(text_pipe):
+    with serve({"text": TextBackend(text_pipe, "tiny-text")}) as (client, _):
+        response = client.post("/v1/jobs", json={"kind": "image", "prompt": "x"})
+        assert response.status_code == 400 and "no image model" in response.json()["error"]["message"]
