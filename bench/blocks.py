@@ -60,17 +60,17 @@ def run(quick: bool = False) -> Section:
         intro=(
             f"A {n_layer}-block GPT-2 (n_embd {n_embd}), greedy decoding of {c.new_tokens} tokens"
             f" after a {c.prompt_tokens}-token prompt. A forward pre-hook holds the run until another"
-            f" thread has called `stop()`, in the forward that produces token {c.stop_token + 1}, before {where} of the"
-            " given block: halfway through it, where abort mode waits for the rest of the block."
-            f" Median of {c.reps} runs per"
-            " arm, interleaved. *In steps* divides by the median decoding step of the runs without a"
-            f" stop, *in blocks* by a step / {n_layer}."
+            f" thread has called `stop()`, in the forward that produces token {c.stop_token + 1},"
+            f" before {where} of the given block: halfway through it, where abort mode waits for the"
+            f" rest of the block. Median of {c.reps} runs per arm, interleaved. *In steps* divides by"
+            f" the median decoding step of the runs without a stop, *in blocks* by a step / {n_layer}."
         ),
         tables=[table],
         notes=[
             "The row *no stop* is the rest of the run from the same moment, for scale.",
             "Abort mode checks before every block (forward pre-hooks), so it returns within about"
-            " one block; step-level stops finish the forward first and keep its token.",
+            " one block; step-level stops finish the forward first and keep its token. A stop in the"
+            " last block is seen at the end of that forward, as in finish mode.",
             RANDOM_WEIGHTS,
         ],
         data=data,

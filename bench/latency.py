@@ -36,8 +36,9 @@ from .common import (
     text_model,
 )
 
-# An arm, set up afresh for each repetition: (the call, how to stop it, steps done from its result).
-ArmSetup = tuple[Callable[[], Any], Callable[[], object], Callable[[Any], int]]
+# An arm, set up afresh for each repetition: (the call, how to stop it, steps done from its result,
+# or None to count the denoiser's / model's forwards instead).
+ArmSetup = tuple[Callable[[], Any], Callable[[], object], Callable[[Any], int] | None]
 
 
 @dataclass
@@ -63,8 +64,8 @@ class Scenario:
         return Probe(self.clock, self.trigger, self.at_call)
 
 
-def plain_arm(s: Scenario, steps_of: Callable[[Any], int]) -> ArmSetup:
-    return (lambda: s.call(*s.args, **s.kwargs())), (lambda: None), steps_of
+def plain_arm(s: Scenario) -> ArmSetup:
+    return (lambda: s.call(*s.args, **s.kwargs())), (lambda: None), None
 
 
 def stopcock_arm(s: Scenario, mode: str) -> ArmSetup:
@@ -121,8 +122,7 @@ ARMS = ("no stop (rest of the run)", "native", "stopcock finish", "stopcock abor
 
 def measure(s: Scenario, reps: int) -> dict[str, list[dict[str, Any]]]:
     """Run every arm ``reps`` times in rotating order; the raw measurements per arm."""
-    plain_steps = steps_counter(s)
-    setups: dict[str, Callable[[], ArmSetup]] = {ARMS[0]: lambda: plain_arm(s, plain_steps)}
+    setups: dict[str, Callable[[], ArmSetup]] = {ARMS[0]: lambda: plain_arm(s)}
     setups[ARMS[1]] = lambda: s.native(s)
     if supported(s.target):
         setups[ARMS[2]] = lambda: stopcock_arm(s, "finish")
@@ -137,17 +137,12 @@ def measure(s: Scenario, reps: int) -> dict[str, list[dict[str, Any]]]:
             s.results[name].append(
                 {
                     "latency": timing.latency,
-                    "steps": steps_of(timing.result),
+                    "steps": len(timing.probe.step_starts) if steps_of is None else steps_of(timing.result),
                     "forwards_after_stop": timing.steps_started_after_stop(),
                     "step_durations": timing.probe.step_durations(),
                 }
             )
     return s.results
-
-
-def steps_counter(s: Scenario) -> Callable[[Any], int]:
-    """Steps done by the plain call, from its result (all of them: nothing stops it)."""
-    return lambda _: s.total
 
 
 def unit_seconds(s: Scenario, first: bool) -> float:
@@ -158,7 +153,7 @@ def unit_seconds(s: Scenario, first: bool) -> float:
 
 def add_rows(table: Table, s: Scenario, unit: float) -> dict[str, Any]:
     """One row per arm: latency in ms, in units, in blocks (unit / blocks), steps done."""
-    summary: dict[str, Any] = {"unit_s": unit, "n_blocks": s.n_blocks}
+    summary: dict[str, Any] = {"unit_s": unit, "n_blocks": s.n_blocks, "total": s.total}
     for name, runs in s.results.items():
         lat = [r["latency"] for r in runs]
         row = {

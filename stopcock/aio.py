@@ -11,8 +11,10 @@ and on anyio's asyncio backend.
 from __future__ import annotations
 
 import asyncio
+import sys
 import weakref
 from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from .outcome import Outcome
@@ -146,10 +148,24 @@ async def _abandon(channel: Channel) -> None:
     """
     channel.abandon()
     cancelled: asyncio.CancelledError | None = None
-    while not channel.finished:
-        try:
-            await _until(channel, lambda: channel.finished)
-        except asyncio.CancelledError as exc:
-            cancelled = exc
+    with _shield():
+        while not channel.finished:
+            try:
+                await _until(channel, lambda: channel.finished)
+            except asyncio.CancelledError as exc:
+                cancelled = exc
     if cancelled is not None:
         raise cancelled
+
+
+def _shield() -> AbstractContextManager[object]:
+    """A shielded anyio cancel scope when anyio is in use, else nothing.
+
+    anyio re-delivers a cancellation at every pass of the loop until the task leaves the cancelled
+    scope; inside a shield the wait for the worker does not spin. asyncio's own cancellations are
+    handled by the loop in :func:`_abandon`.
+    """
+    anyio = sys.modules.get("anyio")
+    if anyio is None:
+        return nullcontext()
+    return anyio.CancelScope(shield=True)  # type: ignore[no-any-return]

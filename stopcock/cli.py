@@ -85,17 +85,28 @@ _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 def resolve_model(spec: str | None, kind: str) -> str:
     """The folder or hub id to load: the built-in demo model when ``spec`` is None."""
     if spec is None:
-        from transformers.utils import logging
-
         from .tiny.demo import demo_model
 
-        logging.disable_progress_bar()  # loading bars for a model that loads in milliseconds are noise
+        _quiet_loading(kind)
         return str(demo_model(kind))
     if Path(spec).expanduser().is_dir():
         return str(Path(spec).expanduser())
     if not _HUB_ID.match(spec) or spec.startswith("."):
         raise CliError(f"model folder not found: {spec}")
     return spec
+
+
+def _quiet_loading(kind: str) -> None:
+    """Hide the libraries' loading bars and notices, which only add noise for the tiny demo models."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+    if kind == "image":
+        from diffusers.utils import logging as diffusers_logging
+
+        diffusers_logging.disable_progress_bar()
+        diffusers_logging.set_verbosity_error()
 
 
 @contextlib.contextmanager
@@ -305,12 +316,14 @@ def exit_code(outcome: Outcome) -> int:
 def describe(outcome: Outcome, unit: str = "step") -> str:
     """One readable line about an Outcome."""
     total = f" of {outcome.total_steps}" if outcome.total_steps is not None else ""
-    head = f"stopped ({outcome.reason})" if outcome.stopped else f"completed ({outcome.reason})"
+    head = "stopped" if outcome.stopped else "completed"
+    if outcome.reason != "completed":
+        head += f" ({outcome.reason})"
     parts = [f"{head} after {outcome.steps}{total} {unit}s in {outcome.elapsed:.3f} s"]
     if outcome.stop_latency is not None:
         parts.append(f"stop latency {outcome.stop_latency * 1000:.1f} ms")
     parts.append(f"mode {outcome.mode}")
-    if outcome.partial:
+    if outcome.partial and outcome.output is not None:
         parts.append(f"partial image: {outcome.partial}")
     text = ", ".join(parts)
     return f"{text}. {outcome.detail}" if outcome.detail else text
@@ -495,6 +508,10 @@ def build_parser() -> argparse.ArgumentParser:
                             " default) or the noisy latents as they were (raw)")
     image.add_argument("--seed", type=int, default=0)
     image.set_defaults(func=cmd_image)
+
+    from .server.serve import add_parser as add_serve_parser  # owned by the server; cheap to import
+
+    add_serve_parser(sub)
     return parser
 
 

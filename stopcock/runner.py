@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from .control import RunControl
@@ -31,23 +31,23 @@ class Adapter(Protocol):
     ) -> Outcome: ...
 
 
-def _adapters() -> list[Adapter]:
-    found = []
+def _adapters() -> Iterator[Adapter]:
+    """The adapter modules, imported one at a time (a text run never pays for importing diffusers)."""
     for name in _ADAPTER_MODULES:
         try:
-            found.append(importlib.import_module(name))
+            yield importlib.import_module(name)
         except ImportError as exc:  # the library is not installed: its targets cannot exist either
             if exc.name not in ("transformers", "diffusers", "torch"):
                 raise
-    return found  # type: ignore[return-value]
 
 
 def adapter_for(target: object) -> Adapter:
     """The adapter that drives ``target``, or :class:`UnsupportedTarget` listing what is supported."""
-    adapters = _adapters()
-    for adapter in adapters:
+    adapters = []
+    for adapter in _adapters():
         if adapter.accepts(target):
             return adapter
+        adapters.append(adapter)
     kinds = "; ".join(a.KIND for a in adapters) or "none: install stopcock[transformers] or [diffusers]"
     raise UnsupportedTarget(f"stopcock cannot run a {type(target).__name__!r}. Supported targets: {kinds}.")
 

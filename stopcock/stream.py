@@ -26,6 +26,7 @@ releases it).
 
 from __future__ import annotations
 
+import gc
 import threading
 import weakref
 from collections import deque
@@ -455,14 +456,37 @@ def _refuse_beams(kwargs: dict[str, Any], default_config: Any) -> None:
 
 
 # -- the sync stream ---------------------------------------------------------------------------------
+_collecting: set[int] = set()  # threads running a cyclic garbage collection now
+
+
+def _track_collections(phase: str, info: dict[str, Any]) -> None:
+    (_collecting.add if phase == "start" else _collecting.discard)(threading.get_ident())
+
+
+gc.callbacks.append(_track_collections)
+
+
+def _leave(channel: Channel, thread: threading.Thread) -> None:
+    """End a stream's run: stop it, and wait for the worker unless that could deadlock.
+
+    Waiting is what makes ``break`` leave nothing running. It is skipped on the worker's own
+    thread and inside a cyclic garbage collection, which may run on any thread, holding any lock
+    the worker might need; the run still stops at its next step.
+    """
+    channel.abandon()
+    here = threading.get_ident()
+    if here != thread.ident and here not in _collecting:
+        thread.join()
+
+
 class Stream(Iterator[Event]):
     """A running stream: iterate for events; ``stop()``, ``close()`` or leave to end it."""
 
     def __init__(self, channel: Channel, thread: threading.Thread) -> None:
         self._channel = channel
         self._thread = thread
-        # The worker holds the channel, never this object: dropping the stream abandons the run.
-        self._finalizer = weakref.finalize(self, channel.abandon)
+        # The worker holds the channel, never this object: dropping the stream ends the run.
+        self._finalizer = weakref.finalize(self, _leave, channel, thread)
 
     def __iter__(self) -> Stream:
         return self
@@ -503,7 +527,6 @@ class Stream(Iterator[Event]):
         """
         self._finalizer()
         if self._thread is not threading.current_thread():
-            self._thread.join()
             self._channel.raise_error()
 
 

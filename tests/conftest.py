@@ -59,16 +59,16 @@ def image_pipe(image_model_dir):
 
 @pytest.fixture
 def count_forwards():
-    """``count_forwards(*modules)``: a dict counting each module's forward calls, by module."""
+    """``count_forwards(*modules)``: a dict counting each module's completed forward calls, by module."""
     handles = []
 
     def install(*modules):
         counts = {m: 0 for m in modules}
 
-        def hook(module, args):
+        def hook(module, args, output):
             counts[module] += 1
 
-        handles.extend(m.register_forward_pre_hook(hook) for m in modules)
+        handles.extend(m.register_forward_hook(hook) for m in modules)
         return counts
 
     yield install

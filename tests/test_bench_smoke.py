@@ -47,6 +47,7 @@ def test_overhead_measures_stopcock_against_the_plain_call(sections):
         for arms in group.values():
             assert {"`run`, mode=finish", "`run`, mode=abort"} <= arms.keys()
             assert all(math.isfinite(a["ratio"]) and a["ratio"] > 0 for a in arms.values())
+    assert data["checks"].keys() == {"step", "criterion", "block_hook"}
 
 
 @pytest.mark.parametrize("name, scenario", [("latency", "image"), ("latency", "prefill"), ("blocks", None)])
@@ -58,7 +59,8 @@ def test_stops_land_before_the_end_and_abort_does_no_more_steps(sections, name, 
         for arm in ARMS[1:]:
             assert result[arm]["forwards_after_stop"] == 0, arm
             assert result[arm]["latency_s"] > 0
-        total = result[ARMS[0]]["steps"]
+        total = result["total"]
+        assert result[ARMS[0]]["steps"] == total  # the run without a stop did every step
         assert result[ARMS[1]]["steps"] < total
         assert result[ARMS[3]]["steps"] <= result[ARMS[2]]["steps"] < total
 

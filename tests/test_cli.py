@@ -20,7 +20,15 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from stopcock.cli import EXIT_CODES, EXIT_COMPLETED, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_STOPPED, EXIT_USAGE
+from stopcock.cli import (
+    EXIT_CODES,
+    EXIT_COMPLETED,
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_STOPPED,
+    EXIT_USAGE,
+    main,
+)
 
 # The gate, run in the child before the CLI. CLI_TEST_GATE="hold:CLASS:N" blocks the N-th forward
 # of a module of class CLASS until a line arrives on stdin; "slow:CLASS:SECONDS" makes every forward
@@ -132,6 +140,19 @@ class Held:
         return code, out, err
 
 
+@pytest.fixture
+def run_main(cache_home, monkeypatch, capsys):
+    """Run ``stopcock.cli.main(args)`` in this process (quicker): returns (exit code, stdout, stderr)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache_home))
+
+    def call(*args: str) -> tuple[int, str, str]:
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return call
+
+
 def png_metadata(path: Path) -> dict:
     with Image.open(path) as image:
         return json.loads(image.text["stopcock"])
@@ -180,29 +201,27 @@ def test_missing_model_path_is_a_clear_error(cache_home, tmp_path):
     assert "Traceback" not in result.stderr
 
 
-def test_hub_id_offline_is_a_clear_error(cache_home):
-    result = cli("image", "--model", "no-such-org/no-such-model", "--prompt", "x", cache_home=cache_home)
-    assert result.returncode == EXIT_ERROR
-    assert "'no-such-org/no-such-model' is not a local folder" in result.stderr
-    assert "HF_HUB_OFFLINE is set" in result.stderr
-    assert "Traceback" not in result.stderr
+def test_hub_id_offline_is_a_clear_error(run_main):
+    code, _, err = run_main("text", "--model", "no-such-org/no-such-model", "--prompt", "x")
+    assert code == EXIT_ERROR
+    assert "'no-such-org/no-such-model' is not a local folder" in err
+    assert "HF_HUB_OFFLINE is set" in err
 
 
-def test_folder_of_the_wrong_kind_is_a_clear_error(cache_home, tmp_path):
-    result = cli("text", "--model", str(tmp_path), "--prompt", "x", cache_home=cache_home)
-    assert result.returncode == EXIT_ERROR
-    assert f"cannot load the model in {tmp_path}" in result.stderr
-    assert "Traceback" not in result.stderr
+def test_folder_of_the_wrong_kind_is_a_clear_error(run_main, tmp_path):
+    code, _, err = run_main("text", "--model", str(tmp_path), "--prompt", "x")
+    assert code == EXIT_ERROR
+    assert f"cannot load the model in {tmp_path}" in err
 
 
 # -- text ------------------------------------------------------------------------------------------
 
 
-def test_text_completes_and_streams_to_stdout(cache_home, zen_text):
-    result = cli("text", "--prompt", PROMPT, "--max-new-tokens", "12", cache_home=cache_home)
-    assert result.returncode == EXIT_COMPLETED, result.stderr
-    assert result.stdout == zen_text(12) + "\n"
-    assert "completed (length) after 12 of 12 tokens" in result.stderr
+def test_text_completes_and_streams_to_stdout(run_main, zen_text):
+    code, out, err = run_main("text", "--prompt", PROMPT, "--max-new-tokens", "12")
+    assert code == EXIT_COMPLETED, err
+    assert out == zen_text(12) + "\n"
+    assert "completed (length) after 12 of 12 tokens" in err
 
 
 def test_text_stop_string_json(cache_home, zen_text):
@@ -217,10 +236,10 @@ def test_text_stop_string_json(cache_home, zen_text):
     assert {"elapsed", "stop_latency", "mode", "partial", "row_reasons", "detail", "model"} <= set(report)
 
 
-def test_text_max_steps(cache_home, zen_text):
-    result = cli("text", "--prompt", PROMPT, "--max-steps", "5", "--json", cache_home=cache_home)
-    report = json.loads(result.stdout)
-    assert result.returncode == EXIT_STOPPED
+def test_text_max_steps(run_main, zen_text):
+    code, out, _ = run_main("text", "--prompt", PROMPT, "--max-steps", "5", "--json")
+    report = json.loads(out)
+    assert code == EXIT_STOPPED
     assert (report["reason"], report["steps"], report["text"]) == ("max_steps", 5, zen_text(5))
 
 
@@ -265,27 +284,27 @@ def test_text_ctrl_c_twice_aborts_inside_the_forward(cache_home, zen_text):
 # -- image -----------------------------------------------------------------------------------------
 
 
-def test_image_completes_with_the_outcome_in_the_png(cache_home, tmp_path):
+def test_image_completes_with_the_outcome_in_the_png(run_main, tmp_path):
     out = tmp_path / "full.png"
-    result = cli("image", "--prompt", "a cat", "--steps", "4", "--out", str(out), "--json",
-                 cache_home=cache_home)
-    assert result.returncode == EXIT_COMPLETED, result.stderr
-    report = json.loads(result.stdout)
+    code, stdout, err = run_main("image", "--prompt", "a cat", "--steps", "4", "--out", str(out), "--json")
+    assert code == EXIT_COMPLETED, err
+    report = json.loads(stdout)
     assert (report["reason"], report["steps"], report["image"], report["file"]) == (
         "completed", 4, "complete", str(out))
     meta = png_metadata(out)
     assert meta["stopped"] is False and meta["steps"] == 4 and meta["prompt"] == "a cat"
 
 
-def test_image_stop_at_step_progress_lines(cache_home, tmp_path):
+def test_image_stop_at_step_progress_lines(run_main, tmp_path):
     out = tmp_path / "stopped.png"
-    result = cli("image", "--prompt", "a cat", "--steps", "20", "--stop-at-step", "3", "--partial", "raw",
-                 "--progress", "lines", "--out", str(out), cache_home=cache_home)
-    assert result.returncode == EXIT_STOPPED, result.stderr
-    assert [line for line in result.stderr.splitlines() if line.startswith("step ")][-1].startswith("step 3/20")
-    assert "saved the partial image" in result.stderr
+    code, _, err = run_main("image", "--prompt", "a cat", "--steps", "20", "--stop-at-step", "3", "--partial",
+                            "raw", "--progress", "lines", "--out", str(out))
+    assert code == EXIT_STOPPED, err
+    assert [line for line in err.splitlines() if line.startswith("step ")][-1].startswith("step 3/20")
+    assert "saved the partial image" in err
     meta = png_metadata(out)
-    assert (meta["reason"], meta["steps"], meta["total_steps"], meta["partial"]) == ("max_steps", 3, 20, "raw")
+    assert (meta["reason"], meta["steps"], meta["total_steps"]) == ("max_steps", 3, 20)
+    assert meta["partial"] == "raw"
 
 
 def test_image_ctrl_c_once_saves_the_partial_image(cache_home, tmp_path):
@@ -326,11 +345,11 @@ def test_image_ctrl_c_twice_aborts_and_keeps_a_latent_preview(cache_home, tmp_pa
     assert (meta["reason"], meta["steps"], meta["image"]) == ("interrupted", 2, "latent preview")
 
 
-def test_image_abort_mode_saves_a_latent_preview(cache_home, tmp_path):
+def test_image_abort_mode_saves_a_latent_preview(run_main, tmp_path):
     out = tmp_path / "abort.png"
-    result = cli("image", "--prompt", "a cat", "--steps", "10", "--stop-at-step", "2", "--mode", "abort",
-                 "--out", str(out), "--json", cache_home=cache_home)
-    report = json.loads(result.stdout)
-    assert result.returncode == EXIT_STOPPED
+    code, stdout, _ = run_main("image", "--prompt", "a cat", "--steps", "10", "--stop-at-step", "2", "--mode",
+                               "abort", "--out", str(out), "--json")
+    report = json.loads(stdout)
+    assert code == EXIT_STOPPED
     assert (report["mode"], report["image"], report["steps"]) == ("abort", "latent preview", 2)
     assert png_metadata(out)["mode"] == "abort"

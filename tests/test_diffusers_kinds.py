@@ -33,17 +33,19 @@ class Kind:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+FLUX_CALL = {"prompt": "a cat", "height": 32, "width": 32, "max_sequence_length": 16}
 IMAGE = PIL.Image.fromarray(np.full((32, 32, 3), 128, dtype=np.uint8))
 KINDS = [
     Kind("sd", tiny.stable_diffusion_pipeline, {"prompt": "a cat"}, ("unet",), True),
     Kind("sdxl", tiny.sdxl_pipeline, {"prompt": "a cat"}, ("unet",), True),
-    Kind("flux", tiny.flux_pipeline, {"prompt": "a cat", "height": 32, "width": 32, "max_sequence_length": 16},
+    Kind("flux", tiny.flux_pipeline, FLUX_CALL,
          ("transformer",), True),
     Kind("lcm", tiny.lcm_pipeline, {"prompt": "a cat"}, ("unet",), False),
     Kind("pix2pix", tiny.instruct_pix2pix_pipeline, {"prompt": "a cat", "image": IMAGE}, ("unet",), False),
     Kind("semantic", tiny.semantic_pipeline, {"prompt": "a cat"}, ("unet",), False),
     Kind("ddpm", tiny.ddpm_pipeline, {}, ("unet",), False),
-    Kind("modular-sdxl", tiny.modular_sdxl_pipeline, {"prompt": "a cat", "output": "images"}, ("unet",), False),
+    Kind("modular-sdxl", tiny.modular_sdxl_pipeline, {"prompt": "a cat", "output": "images"}, ("unet",),
+         False),
     Kind("kandinsky-combined", tiny.kandinsky_combined_pipeline,
          {"prompt": "a cat", "height": 64, "width": 64, "prior_num_inference_steps": 3},
          ("prior_prior", "unet"), False, stage_steps=(3, STEPS)),
@@ -51,7 +53,8 @@ KINDS = [
 
 
 def call_kwargs(kind: Kind) -> dict[str, Any]:
-    kwargs = {**kind.call, "num_inference_steps": STEPS, "generator": torch.Generator().manual_seed(kind.seed)}
+    generator = torch.Generator().manual_seed(kind.seed)
+    kwargs = {**kind.call, "num_inference_steps": STEPS, "generator": generator}
     if "output" not in kwargs:
         kwargs["output_type"] = "np"
     return kwargs
@@ -68,25 +71,23 @@ def kind_pipe(request):
     kind = request.param
     torch.set_num_threads(1)
     pipe = kind.build(seed=kind.seed)
-    counts = {name: 0 for name in kind.denoisers}
-    handles = [
-        pipe.components[name].register_forward_pre_hook(lambda m, a, n=name: counts.__setitem__(n, counts[n] + 1))
-        for name in kind.denoisers
-    ]
+    models = [pipe.components[name] for name in kind.denoisers]
+    counts = {m: 0 for m in models}
+    handles = [m.register_forward_hook(lambda m, a, o: counts.__setitem__(m, counts[m] + 1)) for m in models]
     reference = images(pipe(**call_kwargs(kind)))
     for h in handles:
         h.remove()
-    per_step = tuple(counts[n] // s for n, s in zip(kind.denoisers, kind.stage_steps))
-    assert all(counts[n] == p * s for n, p, s in zip(kind.denoisers, per_step, kind.stage_steps))
+    per_step = tuple(counts[m] // s for m, s in zip(models, kind.stage_steps, strict=True))
+    assert all(counts[m] == p * s for m, p, s in zip(models, per_step, kind.stage_steps, strict=True))
     return kind, pipe, reference, per_step
 
 
-def assert_clean(pipe: Any, counted: Any = ()) -> None:
-    """No hook (but the test's ``counted`` ones), no wrapper, no raised flag left behind."""
+def assert_clean(pipe: Any) -> None:
+    """No hook, no wrapper, no raised flag left behind."""
     assert not getattr(pipe, "_interrupt", False)
     for component in pipe.components.values():
         if isinstance(component, torch.nn.Module):
-            assert all(len(m._forward_pre_hooks) == (m in counted) for m in component.modules())
+            assert all(not m._forward_pre_hooks for m in component.modules())
         assert "step" not in getattr(component, "__dict__", {})
 
 
@@ -105,13 +106,14 @@ def test_stop_at_step(kind_pipe, count_forwards, mode, at):
     kind, pipe, reference, per_step = kind_pipe
     counts = count_forwards(*(pipe.components[n] for n in kind.denoisers))
     seen = []
-    outcome = stopcock.run(pipe, **call_kwargs(kind), stop=stopcock.max_steps(at), mode=mode, on_step=seen.append)
+    stop = stopcock.max_steps(at)
+    outcome = stopcock.run(pipe, **call_kwargs(kind), stop=stop, mode=mode, on_step=seen.append)
 
     assert outcome.stopped and outcome.reason == "max_steps"
     assert outcome.steps == at == len(seen)
     # After the step where the stop is seen, no denoiser forward: not in this stage, not in the next.
     done = at
-    for name, per, steps in zip(kind.denoisers, per_step, kind.stage_steps):
+    for name, per, steps in zip(kind.denoisers, per_step, kind.stage_steps, strict=True):
         assert counts[pipe.components[name]] == per * min(done, steps), name
         done = max(0, done - steps)
     torch.testing.assert_close(outcome.latents, seen[-1].latents, rtol=0, atol=0)
@@ -125,7 +127,7 @@ def test_stop_at_step(kind_pipe, count_forwards, mode, at):
         assert (mode == "abort") == (outcome.detail is None)
         if mode == "finish":
             assert "cannot finish early" in outcome.detail
-    assert_clean(pipe, counted=counts)
+    assert_clean(pipe)
     # The next run with the same seed is the same as a fresh pipeline's.
     np.testing.assert_array_equal(images(pipe(**call_kwargs(kind))), reference)
 
@@ -137,3 +139,16 @@ def test_total_steps_known_before_the_first_step(kind_pipe):
     # Single-stage pipelines plan num_inference_steps; a combined one learns its stage's count as it starts.
     assert states[0].total == (STEPS if len(kind.stage_steps) == 1 else kind.stage_steps[0])
     assert states[0].step == 1 and states[0].timestep is not None
+
+
+def test_a_stop_in_the_second_stage_of_a_combined_pipeline(count_forwards):
+    kind = next(k for k in KINDS if k.name == "kandinsky-combined")
+    pipe = kind.build()
+    prior, unet = pipe.components["prior_prior"], pipe.components["unet"]
+    counts = count_forwards(prior, unet)
+    states = []
+    outcome = stopcock.run(pipe, **call_kwargs(kind), stop=stopcock.max_steps(5), on_step=states.append)
+    assert outcome.steps == 5 and outcome.mode == "abort" and outcome.output is None
+    assert counts[prior] == 3 and counts[unet] == 2  # one (guidance-batched) call per step
+    # The total is learnt stage by stage: the prior's 3 steps, then 3 + the decoder's 4.
+    assert [s.total for s in states] == [3, 3, 3, 7, 7]

@@ -8,7 +8,6 @@ events (never sleep) before stopping, and a stop cuts the throttle short.
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -17,10 +16,9 @@ import httpx
 import pytest
 import torch
 
-from stopcock.server.app import create_app
 from stopcock.server.backends import ImageBackend, TextBackend
 from stopcock.server.engine import LocalEngine
-from stopcock.server.testing import running
+from stopcock.server.testing import serving, sse_data
 
 LONG = 1000  # tokens: more than any test lets a job run
 DELAY = 0.01  # the test-only per-step throttle
@@ -41,28 +39,27 @@ def backends(text_pipe, image_pipe):
 
 @contextlib.contextmanager
 def serve(backends, *, keys=(), **engine_options: Any) -> Iterator[tuple[httpx.Client, LocalEngine]]:
-    engine = LocalEngine(backends, **{"step_delay": DELAY, **engine_options})
-    try:
-        with running(create_app(engine, api_keys=keys)) as url, httpx.Client(base_url=url, timeout=60) as client:
-            yield client, engine
-    finally:
-        engine.close()
+    with (
+        serving(backends, api_keys=keys, **{"step_delay": DELAY, **engine_options}) as (url, engine),
+        httpx.Client(base_url=url, timeout=60) as client,
+    ):
+        yield client, engine
 
 
 @pytest.fixture(scope="module")
 def server(backends):
-    with serve(backends, concurrency=1, queue_size=4) as (client, engine):
+    with serve(backends, concurrency=1, queue_size=4) as (client, _):
         yield client
 
 
-def events(client: httpx.Client, job_id: str, headers: dict[str, str] | None = None) -> Iterator[dict[str, Any]]:
+def events(
+    client: httpx.Client, job_id: str, headers: dict[str, str] | None = None
+) -> Iterator[dict[str, Any]]:
     """The job's events as they come (the stream closes when the iterator is dropped)."""
     with client.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers) as response:
         assert response.status_code == 200, response.read()
         assert response.headers["content-type"].startswith("text/event-stream")
-        for line in response.iter_lines():
-            if line.startswith("data: "):
-                yield json.loads(line[6:])
+        yield from sse_data(response.iter_lines())
 
 
 def wait_for_step(client: httpx.Client, job_id: str, step: int, **kw: Any) -> dict[str, Any]:
@@ -80,7 +77,12 @@ def submit(client: httpx.Client, body: dict[str, Any], **kw: Any) -> dict[str, A
 
 
 def text_job(max_tokens: int = LONG, **stop: Any) -> dict[str, Any]:
-    return {"kind": "text", "prompt": "Once upon a time", "parameters": {"max_tokens": max_tokens}, "stop": stop}
+    return {
+        "kind": "text",
+        "prompt": "Once upon a time",
+        "parameters": {"max_tokens": max_tokens},
+        "stop": stop,
+    }
 
 
 def test_text_job_runs_and_streams_its_text(server):
@@ -122,10 +124,14 @@ def test_stop_after_the_end_reports_the_end(server):
     job = submit(server, text_job(3))
     done = list(events(server, job["id"]))[-1]
     again = server.post(f"/v1/jobs/{job['id']}/stop").json()
-    assert (again["state"], again["reason"], again["step"]) == ("completed", "length", 3) == (
-        done["state"],
-        done["reason"],
-        done["step"],
+    assert (
+        (again["state"], again["reason"], again["step"])
+        == ("completed", "length", 3)
+        == (
+            done["state"],
+            done["reason"],
+            done["step"],
+        )
     )
 
 
@@ -153,7 +159,12 @@ def test_queue_bound_queued_stop_and_slot_release(backends):
 
         # stopping a queued job removes it without running it
         dropped = client.post(f"/v1/jobs/{queued['id']}/stop").json()
-        assert (dropped["state"], dropped["reason"], dropped["step"], dropped["started"]) == ("stopped", "user", 0, None)
+        assert (dropped["state"], dropped["reason"], dropped["step"], dropped["started"]) == (
+            "stopped",
+            "user",
+            0,
+            None,
+        )
         assert "never ran" in dropped["outcome"]["detail"]
         assert [e["type"] for e in events(client, queued["id"])] == ["queued", "done"]
 
@@ -224,7 +235,11 @@ def test_keys_guard_every_endpoint_and_scope_jobs_to_their_key(backends):
             ("GET", "/v1/models", None),
             ("GET", "/v1/health", None),
             ("POST", "/v1/completions", {"model": "tiny-text", "prompt": "hi"}),
-            ("POST", "/v1/chat/completions", {"model": "tiny-text", "messages": [{"role": "user", "content": "x"}]}),
+            (
+                "POST",
+                "/v1/chat/completions",
+                {"model": "tiny-text", "messages": [{"role": "user", "content": "x"}]},
+            ),
             ("POST", "/v1/images/generations", {"prompt": "x"}),
         ]:
             for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": "alice-key"}):
@@ -268,7 +283,9 @@ def test_limits_answer_4xx_with_a_json_error(server, body, status, words):
 def test_malformed_and_oversized_bodies(server):
     response = server.post("/v1/jobs", content=b"{not json", headers={"Content-Type": "application/json"})
     assert response.status_code == 422 and response.json()["error"]["message"]
-    response = server.post("/v1/jobs", content=b"x" * ((1 << 20) + 1), headers={"Content-Type": "application/json"})
+    response = server.post(
+        "/v1/jobs", content=b"x" * ((1 << 20) + 1), headers={"Content-Type": "application/json"}
+    )
     assert response.status_code == 413 and "at most" in response.json()["error"]["message"]
     assert server.get("/no/such/route").json()["error"]["message"]
 

@@ -118,17 +118,22 @@ def test_user_stop_and_conditions_compose(text_model, tokenizer):
     assert events[-1].outcome.reason == "max_steps" and events[-1].outcome.steps == 5
 
 
+def released_on_stop(stream, release: threading.Event):
+    """``stream``, with ``release`` set when its run is asked to stop."""
+    stream.signal.on_stop(release.set)
+    return stream
+
+
 @pytest.mark.parametrize("mode", ["finish", "abort"])
-def test_break_stops_the_run_within_one_step(text_model, tokenizer, mode):
+def test_break_stops_the_run_and_waits_for_it(text_model, tokenizer, mode):
     on_step, steps, workers, reached, release = _pausing_on_step(at=4)
     inputs = _prompt(tokenizer, ["Hello"])
-    for _event in stopcock.stream(
-        text_model, **inputs, tokenizer=tokenizer, max_new_tokens=200, mode=mode, on_step=on_step
+    for _event in released_on_stop(
+        stopcock.stream(text_model, **inputs, tokenizer=tokenizer, max_new_tokens=200, mode=mode, on_step=on_step),
+        release,
     ):
         assert reached.wait(BOUND)
-        break  # the stream is dropped here: its finaliser stops the run
-    release.set()
-    workers[0].join(BOUND)
+        break  # the stream's last reference goes: its finaliser stops the run and waits for it
     assert not workers[0].is_alive()
     # finish: the step under way when the stream was left (5) is the last; abort: it is abandoned
     assert steps == ([1, 2, 3, 4, 5] if mode == "finish" else [1, 2, 3, 4])

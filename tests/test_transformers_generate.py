@@ -36,9 +36,17 @@ def test_completes_like_generate(text_model, batch):
     expected = greedy(text_model, batch)
     outcome = stopcock.run(text_model, **batch, max_new_tokens=NEW, do_sample=False)
     assert torch.equal(outcome.output, expected)
-    assert (outcome.stopped, outcome.reason, outcome.steps, outcome.total_steps) == (False, "length", NEW, NEW)
+    assert (outcome.stopped, outcome.reason, outcome.steps, outcome.total_steps) == (
+        False,
+        "length",
+        NEW,
+        NEW,
+    )
     assert outcome.row_reasons == ["length", "length"]
     assert outcome.stop_latency is None
+    aborting = stopcock.run(text_model, **batch, max_new_tokens=NEW, do_sample=False, mode="abort")
+    assert torch.equal(aborting.output, expected) and not aborting.stopped and aborting.detail is None
+    assert all_hooks(text_model) == []
 
 
 @pytest.mark.parametrize(
@@ -66,7 +74,9 @@ def test_signal_from_step_callback_stops_after_that_step(text_model, batch):
         if state.step == 7:
             signal.stop("button")
 
-    outcome = stopcock.run(text_model, **batch, max_new_tokens=NEW, do_sample=False, stop=signal, on_step=on_step)
+    outcome = stopcock.run(
+        text_model, **batch, max_new_tokens=NEW, do_sample=False, stop=signal, on_step=on_step
+    )
     # the stop came after the check of step 7, so step 8 is the first check that sees it
     assert (outcome.reason, outcome.steps, seen) == ("button", 8, list(range(1, 9)))
     assert torch.equal(outcome.output, greedy(text_model, batch)[:, : batch["input_ids"].shape[1] + 8])
@@ -79,9 +89,18 @@ def test_stop_string_ends_its_row_only_padded(text_model, tokenizer, batch):
     stop = " do"  # the tiny model's greedy row 1 says "xxxxxxxxx do do ...", row 0 never does
     assert stop in row1 and stop not in row0
     outcome = stopcock.run(
-        text_model, **batch, max_new_tokens=NEW, do_sample=False, stop=stopcock.stop_strings([stop]), tokenizer=tokenizer
+        text_model,
+        **batch,
+        max_new_tokens=NEW,
+        do_sample=False,
+        stop=stopcock.stop_strings([stop]),
+        tokenizer=tokenizer,
     )
-    assert (outcome.stopped, outcome.reason, outcome.row_reasons) == (True, "stop_string", ["length", "stop_string"])
+    assert (outcome.stopped, outcome.reason, outcome.row_reasons) == (
+        True,
+        "stop_string",
+        ["length", "stop_string"],
+    )
     assert outcome.steps == NEW
     out = outcome.output
     assert torch.equal(out[0], full[0])  # the other row went on to the end
@@ -100,8 +119,13 @@ def test_stop_string_in_beam_search_ends_the_item(text_model, tokenizer, batch):
     stop = "ldldld"
     assert all(stop not in t for t in texts)  # without the stop string, item 0's beams say "veve..."
     outcome = stopcock.run(
-        text_model, **batch, max_new_tokens=NEW, do_sample=False, stop=stopcock.stop_strings([stop]),
-        tokenizer=tokenizer, **beams,
+        text_model,
+        **batch,
+        max_new_tokens=NEW,
+        do_sample=False,
+        stop=stopcock.stop_strings([stop]),
+        tokenizer=tokenizer,
+        **beams,
     )
     assert outcome.reason == "stop_string"
     # the best candidate hit the stop string at step 2: every candidate row of item 0 ended there
@@ -114,7 +138,9 @@ def test_stop_string_in_beam_search_ends_the_item(text_model, tokenizer, batch):
 def test_eos_reason(text_model, batch):
     # make the first greedy token of each row the end-of-sequence token
     first = greedy(text_model, batch)[:, batch["input_ids"].shape[1]]
-    outcome = stopcock.run(text_model, **batch, max_new_tokens=NEW, do_sample=False, eos_token_id=first.tolist())
+    outcome = stopcock.run(
+        text_model, **batch, max_new_tokens=NEW, do_sample=False, eos_token_id=first.tolist()
+    )
     assert (outcome.stopped, outcome.reason, outcome.row_reasons) == (False, "eos", ["eos", "eos"])
     assert outcome.steps == 1
 
@@ -145,23 +171,39 @@ def test_user_criteria_and_streamer_keep_working(text_model, tokenizer):
     # an exact built-in type replaces generate's own; ours is appended, never replaced
     users = StoppingCriteriaList([mine, MaxLengthCriteria(ids["input_ids"].shape[1] + 10)])
     outcome = stopcock.run(
-        text_model, **ids, max_new_tokens=NEW, do_sample=False, stopping_criteria=users, streamer=streamer,
+        text_model,
+        **ids,
+        max_new_tokens=NEW,
+        do_sample=False,
+        stopping_criteria=users,
+        streamer=streamer,
         stop=stopcock.max_steps(6),
     )
     assert (outcome.reason, outcome.steps, mine.calls) == ("max_steps", 6, 6)
-    assert streamer.ended and torch.equal(torch.cat([t.flatten() for t in streamer.tokens]), outcome.output[0])
+    assert streamer.ended and torch.equal(
+        torch.cat([t.flatten() for t in streamer.tokens]), outcome.output[0]
+    )
     assert len(users) == 2  # the user's list is not modified
-    limited = stopcock.run(text_model, **ids, max_new_tokens=NEW, do_sample=False, stopping_criteria=users[1:])
+    limited = stopcock.run(
+        text_model, **ids, max_new_tokens=NEW, do_sample=False, stopping_criteria=users[1:]
+    )
     # ended by the user's own criterion, which stopcock cannot name
     assert (limited.stopped, limited.reason, limited.steps) == (False, "completed", 10)
 
 
 def test_user_max_time_and_stop_strings_keep_working(text_model, tokenizer, batch):
-    timed = stopcock.run(text_model, **batch, max_new_tokens=NEW, do_sample=False, max_time=0.0, stop=stopcock.max_steps(9))
+    timed = stopcock.run(
+        text_model, **batch, max_new_tokens=NEW, do_sample=False, max_time=0.0, stop=stopcock.max_steps(9)
+    )
     assert (timed.stopped, timed.steps, timed.row_reasons) == (False, 1, ["completed", "completed"])
     prompt_len = batch["input_ids"].shape[1]
     own = stopcock.run(
-        text_model, **batch, max_new_tokens=NEW, do_sample=False, stop_strings=[" do"], tokenizer=tokenizer,
+        text_model,
+        **batch,
+        max_new_tokens=NEW,
+        do_sample=False,
+        stop_strings=[" do"],
+        tokenizer=tokenizer,
         stop=stopcock.stop_strings(["never-generated"]),
     )
     assert tokenizer.decode(own.output[1, prompt_len:], skip_special_tokens=True) == "xxxxxxxxx do"
@@ -169,15 +211,27 @@ def test_user_max_time_and_stop_strings_keep_working(text_model, tokenizer, batc
 
 
 def test_abort_mid_generation_keeps_tokens_and_removes_hooks(text_model, batch):
-    signal = stopcock.StopSignal()
+    signal, streamer = stopcock.StopSignal(), Recorder()
 
     def on_step(state):
         if state.step == 4:
             signal.stop()
 
-    outcome = stopcock.run(text_model, **batch, max_new_tokens=NEW, do_sample=False, mode="abort", stop=signal, on_step=on_step)
+    outcome = stopcock.run(
+        text_model,
+        **batch,
+        max_new_tokens=NEW,
+        do_sample=False,
+        mode="abort",
+        stop=signal,
+        on_step=on_step,
+        streamer=streamer,
+    )
     assert (outcome.stopped, outcome.reason, outcome.steps, outcome.mode) == (True, "user", 4, "abort")
     assert "aborted" in outcome.detail
+    assert (
+        streamer.ended and len(streamer.tokens) == 1 + 4
+    )  # the prompt, then each token; ended for its reader
     assert torch.equal(outcome.output, greedy(text_model, batch)[:, : batch["input_ids"].shape[1] + 4])
     assert all_hooks(text_model) == []
 
@@ -241,7 +295,10 @@ def test_bad_input_errors(text_model, batch, tokenizer):
         stopcock.run(text_model, **batch, max_new_tokens=3, stop=stopcock.stop_strings(["x"]))
     with pytest.raises(ValueError, match=r"\|"):
         stopcock.run(
-            text_model, **batch, tokenizer=tokenizer, stop=stopcock.stop_strings(["x"]) & stopcock.max_steps(2)
+            text_model,
+            **batch,
+            tokenizer=tokenizer,
+            stop=stopcock.stop_strings(["x"]) & stopcock.max_steps(2),
         )
     with pytest.raises(TypeError, match="StopSignal"):
         stopcock.run(text_model, **batch, stop=3)
@@ -256,7 +313,9 @@ def test_bad_input_errors(text_model, batch, tokenizer):
 def test_diy_stopping_criteria(text_model, tokenizer, batch):
     signal = stopcock.StopSignal()
     signal.stop()
-    out = text_model.generate(**batch, max_new_tokens=NEW, stopping_criteria=stopcock.stopping_criteria(signal))
+    out = text_model.generate(
+        **batch, max_new_tokens=NEW, stopping_criteria=stopcock.stopping_criteria(signal)
+    )
     assert out.shape[1] == batch["input_ids"].shape[1] + 1  # a criterion runs after the first token
     prompt_len = batch["input_ids"].shape[1]
     criteria = stopcock.stopping_criteria(stopcock.stop_strings([" do"]) | stopcock.max_steps(100), tokenizer)

@@ -86,7 +86,7 @@ def honours_interrupt(pipe: object) -> bool:
     it is not trusted; unknown classes answer False and are stopped through hooks.
     """
     for cls in type(pipe).__mro__:
-        if "__call__" in vars(cls) and not getattr(cls, "_stopcock_guarded", False):
+        if "__call__" in vars(cls) and not vars(cls).get("_stopcock_guarded", False):
             return cls.__name__ in _interrupt_classes()
     return False
 
@@ -280,7 +280,8 @@ class _Binding:
         self.latents_kind = "raw"
         if self.partial == "denoised":
             if self.denoised is None:
-                self.notes.append(f"no denoised estimate from {type(scheduler).__name__}: kept the raw latents")
+                name = type(scheduler).__name__
+                self.notes.append(f"no denoised estimate from {name}: kept the raw latents")
             else:
                 self.latents, self.latents_kind = self.denoised, "denoised"
                 result = _with_sample(result, self.denoised)
@@ -291,9 +292,8 @@ class _Binding:
 
     def outcome(self, output: Any) -> Outcome:
         if self.control.mode == "finish" and not self.native and self.aborted:
-            self.notes.insert(
-                0, f"{type(self.pipe).__name__} cannot finish early (it does not honour interrupt): aborted instead"
-            )
+            name = type(self.pipe).__name__
+            self.notes.insert(0, f"{name} cannot finish early (it ignores interrupt): aborted instead")
         stopped = self.control.seen
         return self.control.outcome(
             None if self.aborted else output,
@@ -350,7 +350,12 @@ def _planned_steps(kwargs: dict[str, Any]) -> int | None:
 
 # -- public entry points ----------------------------------------------------------------------------
 def run(
-    target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], control: RunControl, *, partial: str | None = None
+    target: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    control: RunControl,
+    *,
+    partial: str | None = None,
 ) -> Outcome:
     """The adapter behind ``stopcock.run(pipe, ...)`` for diffusers pipelines."""
     _reject_generate_args(target, kwargs)
@@ -398,13 +403,12 @@ def attach(
     """
     if not accepts(pipe):
         raise TypeError(f"attach() takes a diffusers pipeline, got {type(pipe).__name__}")
-    control = RunControl(stop, mode=mode, on_step=on_step)
-    control.__enter__()
-    binding = _Binding(pipe, control, partial)
-    handle = Handle(binding)
-    with binding:
-        yield handle
-    handle.outcome = binding.outcome(None)
+    with RunControl(stop, mode=mode, on_step=on_step) as control:
+        binding = _Binding(pipe, control, partial)
+        handle = Handle(binding)
+        with binding:
+            yield handle
+        handle.outcome = binding.outcome(None)
 
 
 class _StepStopper:
@@ -431,8 +435,9 @@ class _StepStopper:
         if self.control.step(steps=step_index + 1, latents=latents, timestep=timestep):
             if not honours_interrupt(pipeline):
                 raise TypeError(
-                    f"{type(pipeline).__name__} ignores the interrupt flag, so step_callback() cannot stop it;"
-                    " use stopcock.run(pipe, ..., stop=...) or `with stopcock.attach(pipe, stop): pipe(...)`"
+                    f"{type(pipeline).__name__} ignores the interrupt flag, so step_callback() cannot"
+                    " stop it; use stopcock.run(pipe, ..., stop=...) or"
+                    " `with stopcock.attach(pipe, stop): pipe(...)`"
                 )
             pipeline._interrupt = True
         return callback_kwargs
@@ -447,7 +452,9 @@ class _StopperCallback(PipelineCallback):
         super().__init__()
         self.stopper = stopper
 
-    def callback_fn(self, pipeline: Any, step_index: int, timestep: Any, callback_kwargs: dict[str, Any]) -> Any:
+    def callback_fn(
+        self, pipeline: Any, step_index: int, timestep: Any, callback_kwargs: dict[str, Any]
+    ) -> Any:
         return self.stopper(pipeline, step_index, timestep, callback_kwargs)
 
 
@@ -462,8 +469,9 @@ def step_callback(
     ``callback`` (a function, ``PipelineCallback`` or ``MultiPipelineCallbacks``) runs first at each
     step. A function keeps your ``callback_on_step_end_tensor_inputs``; for the callback objects the
     result is a ``MultiPipelineCallbacks`` with their tensor inputs. Timeouts count from this call:
-    make one per run. Only for pipelines that honour interrupt; others raise a TypeError at the stop
-    (use :func:`attach` or ``stopcock.run`` for them).
+    make one per run. As with diffusers' own interrupt, ``pipe.interrupt`` stays True after a stopped
+    call until the next call resets it. Only for pipelines that honour interrupt; others raise a
+    TypeError at the stop (use :func:`attach` or ``stopcock.run`` for them).
     """
     stopper = _StepStopper(stop, None, on_step)
     if isinstance(callback, MultiPipelineCallbacks):
@@ -471,7 +479,9 @@ def step_callback(
     if isinstance(callback, PipelineCallback):
         return MultiPipelineCallbacks([callback, _StopperCallback(stopper)])
     if callback is not None and not callable(callback):
-        raise TypeError(f"callback must be a function, PipelineCallback or MultiPipelineCallbacks, got {callback!r}")
+        raise TypeError(
+            f"callback must be a function, PipelineCallback or MultiPipelineCallbacks, got {callback!r}"
+        )
     stopper.callback = callback
     return stopper
 
@@ -485,15 +495,17 @@ def guard(pipe: Any) -> Any:
     if not accepts(pipe):
         raise TypeError(f"guard() takes a diffusers pipeline, got {type(pipe).__name__}")
     cls = type(pipe)
-    if not getattr(cls, "_stopcock_guarded", False):
-        pipe.__class__ = _guarded_class(cls)
+    if not vars(cls).get("_stopcock_guarded", False):
+        if cls not in _guarded:
+            attrs = {"__call__": _guarded_call, "_stopcock_guarded": True, "__module__": cls.__module__}
+            _guarded[cls] = type(cls.__name__, (cls,), attrs)
+        pipe.__class__ = _guarded[cls]
     return pipe
 
 
-@functools.cache
-def _guarded_class(cls: type) -> type:
-    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        _reject_generate_args(self, kwargs)
-        return cls.__call__(self, *args, **kwargs)
+_guarded: dict[type, type] = {}
 
-    return type(cls.__name__, (cls,), {"__call__": __call__, "_stopcock_guarded": True, "__module__": cls.__module__})
+
+def _guarded_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+    _reject_generate_args(self, kwargs)
+    return super(type(self), self).__call__(*args, **kwargs)

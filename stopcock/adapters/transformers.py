@@ -147,10 +147,10 @@ class _RunCriteria(StoppingCriteria):
                 out.append("stop_string")
             elif torch.isin(new, self.eos.to(new.device)).any():
                 out.append("eos")
-            elif self.control.seen and self.control.token.reason:
-                out.append(self.control.token.reason)
             elif self.limit is not None and kept >= self.limit:
                 out.append("length")
+            elif self.control.seen and self.control.token.reason:
+                out.append(self.control.token.reason)
             else:
                 out.append("completed")
         return out
@@ -250,8 +250,14 @@ def stopping_criteria(stop: object, tokenizer: Any = None) -> StoppingCriteriaLi
 # -- running -------------------------------------------------------------------------------------
 
 
-def _guarded(control: RunControl, model: Any, call: Callable[[], Any]) -> tuple[Any, bool]:
-    """``call()``; in abort mode with pre-hooks on the model and its blocks. Returns (result, aborted)."""
+def _guarded(
+    control: RunControl, model: Any, call: Callable[[], Any], streamer: Any = None
+) -> tuple[Any, bool]:
+    """``call()``; in abort mode with pre-hooks on the model and its blocks. Returns (result, aborted).
+
+    An abort skips generate's own ``streamer.end()``, so it is called here: a consumer reading
+    from the streamer gets the end instead of waiting forever.
+    """
     if control.mode != "abort":
         return call(), False
     modules = [*find_blocks(model), model] if isinstance(model, torch.nn.Module) else []
@@ -261,6 +267,8 @@ def _guarded(control: RunControl, model: Any, call: Callable[[], Any]) -> tuple[
     except Abort as exc:
         if exc.control is not control:
             raise
+        if streamer is not None:
+            streamer.end()
         return None, True
 
 
@@ -283,7 +291,7 @@ def _outcome(
         outcome.detail = _ABORTED
     if not outcome.stopped and "stop_string" in reasons and criteria.last_call_at is not None:
         outcome.stopped, outcome.reason = True, "stop_string"
-        outcome.stop_latency = max(0.0, control.elapsed + control.started - criteria.last_call_at)
+        outcome.stop_latency = time.monotonic() - criteria.last_call_at  # from the last row's stop
     return outcome
 
 
@@ -301,7 +309,9 @@ def _run_generate(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], con
     if control.check():
         output, aborted = start, False
     else:
-        output, aborted = _guarded(control, model, lambda: model.generate(*args, **kwargs))
+        output, aborted = _guarded(
+            control, model, lambda: model.generate(*args, **kwargs), kwargs.get("streamer")
+        )
         if aborted:
             output = criteria.so_far(start, int(settings.get("num_return_sequences") or 1))
     sequences = getattr(output, "sequences", output)
@@ -340,21 +350,33 @@ def _many(inputs: Any) -> tuple[Iterable[Any], int | None] | None:
     return None
 
 
+def _pipeline_criteria(
+    pipe: Pipeline, kwargs: dict[str, Any], control: RunControl
+) -> tuple[_RunCriteria | None, dict[str, Any]]:
+    """Our criteria for a text-generation pipeline, and the call's kwargs with them added."""
+    if not isinstance(pipe, TextGenerationPipeline):
+        if _top_level_stop_strings(control):
+            raise ValueError(
+                f"stop_strings(...) applies to text generation only, not to a {type(pipe).__name__}"
+            )
+        return None, kwargs
+    # what the pipeline passes to generate: the call's kwargs over those given at init, and its defaults
+    prepare = getattr(pipe, "_prepare_generate_kwargs", lambda kw: {**pipe._generate_kwargs, **kw})
+    criteria = _make_criteria(control, pipe.tokenizer, _Settings(prepare(dict(kwargs)), pipe.model))
+    # criteria given at init live in the pipeline's forward params; the call's replace them there
+    user = kwargs.get("stopping_criteria", getattr(pipe, "_forward_params", {}).get("stopping_criteria"))
+    return criteria, {**kwargs, "stopping_criteria": _with_ours(user, criteria)}
+
+
 def _run_pipeline(
     pipe: Pipeline, args: tuple[Any, ...], kwargs: dict[str, Any], control: RunControl
 ) -> Outcome:
-    generating = isinstance(pipe, TextGenerationPipeline)
-    criteria: _RunCriteria | None = None
-    if generating:
-        prepare = getattr(pipe, "_prepare_generate_kwargs", lambda kw: {**pipe._generate_kwargs, **kw})
-        criteria = _make_criteria(control, pipe.tokenizer, _Settings(prepare(dict(kwargs)), pipe.model))
-        user = kwargs.get("stopping_criteria", pipe._generate_kwargs.get("stopping_criteria"))
-        kwargs = {**kwargs, "stopping_criteria": _with_ours(user, criteria)}
-    elif _top_level_stop_strings(control):
-        raise ValueError(f"stop_strings(...) applies to text generation only, not to a {type(pipe).__name__}")
+    criteria, kwargs = _pipeline_criteria(pipe, kwargs, control)
+    generating = criteria is not None
     if kwargs.get("num_workers"):
         raise ValueError("stopcock feeds the pipeline its inputs in this process: drop num_workers=")
     many = _many(args[0]) if args else None
+    streamer = kwargs.get("streamer", getattr(pipe, "_forward_params", {}).get("streamer"))
     count = many[1] if many else 1
     if criteria is None:
         control.total = count
@@ -368,7 +390,7 @@ def _run_pipeline(
     elif many is None:
         if criteria is not None:
             criteria.start()
-        output, aborted = _guarded(control, pipe.model, lambda: pipe(*args, **kwargs))
+        output, aborted = _guarded(control, pipe.model, lambda: pipe(*args, **kwargs), streamer)
         if not generating and not aborted:
             control.step(1)
         output = [] if aborted else output
@@ -388,7 +410,7 @@ def _run_pipeline(
                 if not generating:
                     control.step(len(results))
 
-        _, aborted = _guarded(control, pipe.model, consume)
+        _, aborted = _guarded(control, pipe.model, consume, streamer)
     extra: dict[str, Any] = {"items": len(results)} if many else {}
     if criteria is None:
         outcome = control.outcome(output, extra=extra)

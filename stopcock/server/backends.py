@@ -110,7 +110,7 @@ class TextLane:
             if params.get("seed") is not None:
                 torch.manual_seed(params["seed"])  # process-wide: exact only with concurrency 1
 
-        def on_step(state: StepState) -> None:
+        def report(state: StepState) -> None:
             nonlocal consumed
             row = state.input_ids[0]
             if consumed is None:
@@ -118,13 +118,12 @@ class TextLane:
             pieces.append(decoder.push(row[consumed:].tolist()))
             consumed = len(row)
             ctx.text(pieces[-1], state.step)
-            ctx.progress(state.step, state.total)
 
         outcome = stopcock.run(
             self.pipe,
             prompt,
             stop=[ctx.signal, *conditions(spec.stop)],
-            on_step=on_step,
+            on_step=ctx.on_step(report),
             max_new_tokens=params["max_tokens"],
             return_full_text=False,
             **sampling,
@@ -175,16 +174,15 @@ class ImageLane:
         xl = "XL" in type(self.pipe).__name__
         preview = params["previews"] and getattr(self.pipe, "vae", None) is not None
 
-        def on_step(state: StepState) -> None:
+        def report(state: StepState) -> None:
             if preview and getattr(state.latents, "ndim", None) == 4 and state.latents.shape[1] == 4:
                 ctx.preview(latent_preview(state.latents, xl=xl), state.step)
-            ctx.progress(state.step, state.total)
 
         outcome = stopcock.run(
             self.pipe,
             spec.prompt,
             stop=[ctx.signal, *conditions(spec.stop)],
-            on_step=on_step,
+            on_step=ctx.on_step(report),
             partial=params["partial"],
             num_inference_steps=params["steps"],
             width=params["width"],

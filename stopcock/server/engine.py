@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 from ..outcome import Outcome
 from ..signal import StopSignal
+from ..state import StepState
 
 __all__ = [
     "FINAL_STATES",
@@ -260,14 +261,21 @@ class RunContext:
         self.signal = job.signal
         self.step_delay = step_delay
 
-    def progress(self, step: int, total: int | None) -> None:
-        """Record a step; then wait ``step_delay`` seconds (a test-only throttle) unless stopped."""
+    def on_step(self, report: Callable[[StepState], None]) -> Callable[[StepState], None]:
+        """The ``on_step`` hook for the run: records the step at once (so a stop request sees it),
+        calls ``report(state)`` (text, previews), emits ``progress``, then waits ``step_delay``
+        seconds (the test-only throttle) unless stopped."""
         job = self._job
-        with job.lock:
-            job.step, job.total = step, total
-        job.emit("progress", step=step, total=total)
-        if self.step_delay:
-            self.signal.wait(self.step_delay)
+
+        def hook(state: StepState) -> None:
+            with job.lock:
+                job.step, job.total = state.step, state.total
+            report(state)
+            job.emit("progress", step=state.step, total=state.total)
+            if self.step_delay:
+                self.signal.wait(self.step_delay)
+
+        return hook
 
     def text(self, chunk: str, step: int) -> None:
         if chunk:
@@ -475,7 +483,12 @@ class LocalEngine:
             finally:  # the slot is free once the run has returned; then the job's end is told
                 with self._lock:
                     self._running -= 1
-                state, reason, summary, error = ended or ("failed", "error", None, "the worker was interrupted")
+                state, reason, summary, error = ended or (
+                    "failed",
+                    "error",
+                    None,
+                    "the worker was interrupted",
+                )
                 self._finish(job, state, reason, outcome=summary, error=error)
 
     def _run(self, job: _Job, lane: Lane) -> tuple[str, str, dict[str, Any] | None, str | None]:

@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 __all__ = ["STEP_DELAY_ENV", "add_parser", "main", "read_keys", "serve"]
 
@@ -119,11 +120,14 @@ def serve(args: argparse.Namespace) -> int:
         queue_size=args.queue_size,
         step_delay=float(os.environ.get(STEP_DELAY_ENV, "0") or 0),
     )
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            await engine.aclose()  # stop every job first ("shutdown"): open streams end with their outcome
+            await super().shutdown(sockets)
+
     try:
-        config = uvicorn.Config(
-            create_app(engine, api_keys=keys), host=args.host, port=args.port, timeout_graceful_shutdown=5
-        )
-        uvicorn.Server(config).run()
+        app = create_app(engine, api_keys=keys)
+        Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=5)).run()
     finally:
         engine.close()
     return 0

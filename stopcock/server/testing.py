@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["running"]
+if TYPE_CHECKING:
+    from .engine import LocalEngine
+
+__all__ = ["running", "serving", "sse_data"]
 
 
 @contextlib.contextmanager
@@ -27,7 +31,9 @@ def running(app: Any, *, host: str = "127.0.0.1", port: int = 0) -> Iterator[str
             finally:
                 self.ready.set()
 
-    server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=3))
+    server = Server(
+        uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=3)
+    )
     thread = threading.Thread(target=server.run, name="stopcock-uvicorn", daemon=True)
     thread.start()
     server.ready.wait()
@@ -40,3 +46,29 @@ def running(app: Any, *, host: str = "127.0.0.1", port: int = 0) -> Iterator[str
     finally:
         server.should_exit = True
         thread.join()
+
+
+@contextlib.contextmanager
+def serving(
+    backends: Mapping[str, Any], *, api_keys: Iterable[str] = (), **engine_options: Any
+) -> Iterator[tuple[str, LocalEngine]]:
+    """A :class:`LocalEngine` over ``backends`` served on loopback; yields (base URL, engine)."""
+    from .app import create_app
+    from .engine import LocalEngine
+
+    engine = LocalEngine(backends, **engine_options)
+    try:
+        with running(create_app(engine, api_keys=api_keys)) as url:
+            try:
+                yield url, engine
+            finally:
+                engine.close()  # first: open streams end with their jobs' outcome
+    finally:
+        engine.close()
+
+
+def sse_data(lines: Iterable[str]) -> Iterator[Any]:
+    """The JSON ``data:`` payloads of a server-sent event stream, given its lines."""
+    for line in lines:
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 __all__ = ["DEMO_VERSION", "DESCRIPTIONS", "KINDS", "TEXT_MODEL", "cache_dir", "demo_model"]
@@ -33,7 +32,6 @@ def _build_image(folder: Path) -> Path:
     return build_image_model(folder)
 
 
-_BUILDERS: dict[str, Callable[[Path], Path]] = {"image": _build_image}
 KINDS = ("text", "image")
 
 #: What the demo models are, said plainly wherever they are used.
@@ -50,18 +48,18 @@ def cache_dir() -> Path:
 
 
 def demo_model(kind: str) -> Path:
-    """The folder of the demo model ``kind`` ("text" or "image"), built on first use."""
+    """The folder of the demo model ``kind`` ("text" or "image"); the image model is built on first use."""
     if kind not in KINDS:
         raise ValueError(f"demo model kind must be one of {KINDS}, got {kind!r}")
     if kind == "text":
         return TEXT_MODEL
-    folder = cache_dir() / f"demo-{kind}-v{DEMO_VERSION}"
+    folder = cache_dir() / f"demo-image-v{DEMO_VERSION}"
     if folder.is_dir():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
-        _BUILDERS[kind](staging)
+        _build_image(staging)
         try:
             staging.rename(folder)
         except OSError:

@@ -4,7 +4,8 @@
 ``DiffusionPipeline.from_pretrained(folder)`` loads offline (64x64 images, ~10 ms a step on CPU).
 The ``*_pipeline()`` builders return other pipeline kinds in memory, for tests and benchmarks;
 each covers one of the stop paths of :mod:`stopcock.adapters.diffusers`. Dimensions follow the
-dummy components of diffusers' own test suite; tokenizers are built in memory.
+dummy components of diffusers' own test suite; tokenizers are built in memory. No model here has
+dropout, so train/eval mode makes no difference.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def vae(*, seed: int = 0, **overrides: Any) -> Any:
         norm_num_groups=2,
         sample_size=64,
     )
-    return AutoencoderKL(**{**config, **overrides}).eval()
+    return AutoencoderKL(**{**config, **overrides})
 
 
 def sd_unet(*, seed: int = 0, **overrides: Any) -> Any:
@@ -99,7 +100,7 @@ def sd_unet(*, seed: int = 0, **overrides: Any) -> Any:
         cross_attention_dim=32,
         norm_num_groups=2,
     )
-    return UNet2DConditionModel(**{**config, **overrides}).eval()
+    return UNet2DConditionModel(**{**config, **overrides})
 
 
 def _quiet(pipe: Any) -> Any:
@@ -232,7 +233,7 @@ def ddpm_pipeline(*, seed: int = 0) -> Any:
         out_channels=3,
         down_block_types=("DownBlock2D", "AttnDownBlock2D"),
         up_block_types=("AttnUpBlock2D", "UpBlock2D"),
-    ).eval()
+    )
     return _quiet(DDPMPipeline(unet=unet, scheduler=DDPMScheduler(num_train_timesteps=1000)))
 
 
@@ -252,7 +253,7 @@ def flux_pipeline(*, seed: int = 0) -> Any:
         joint_attention_dim=32,
         pooled_projection_dim=32,
         axes_dims_rope=[4, 4, 8],
-    ).eval()
+    )
     torch.manual_seed(seed)
     autoencoder = AutoencoderKL(
         sample_size=32,
@@ -266,7 +267,7 @@ def flux_pipeline(*, seed: int = 0) -> Any:
         use_post_quant_conv=False,
         shift_factor=0.0609,
         scaling_factor=1.5035,
-    ).eval()
+    )
     return _quiet(
         FluxPipeline(
             scheduler=FlowMatchEulerDiscreteScheduler(),
@@ -285,7 +286,8 @@ def modular_sdxl_pipeline(*, seed: int = 0) -> Any:
     from diffusers.modular_pipelines import StableDiffusionXLAutoBlocks
 
     classic = sdxl_pipeline(seed=seed)
-    pipe = StableDiffusionXLAutoBlocks().init_pipeline()
+    blocks: Any = StableDiffusionXLAutoBlocks()
+    pipe = blocks.init_pipeline()
     pipe.update_components(**{k: v for k, v in classic.components.items() if v is not None})
     return _quiet(pipe)
 
@@ -297,14 +299,16 @@ def kandinsky_combined_pipeline(*, seed: int = 0) -> Any:
         DDPMScheduler,
         KandinskyV22CombinedPipeline,
         PriorTransformer,
-        UNet2DConditionModel,
         UnCLIPScheduler,
+        UNet2DConditionModel,
         VQModel,
     )
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
 
     torch.manual_seed(seed)
-    prior = PriorTransformer(num_attention_heads=2, attention_head_dim=12, embedding_dim=32, num_layers=1)
+    prior: Any = PriorTransformer(
+        num_attention_heads=2, attention_head_dim=12, embedding_dim=32, num_layers=1
+    )
     prior.clip_std = torch.nn.Parameter(torch.ones(prior.clip_std.shape))
     image_encoder = CLIPVisionModelWithProjection(
         CLIPVisionConfig(
@@ -346,12 +350,12 @@ def kandinsky_combined_pipeline(*, seed: int = 0) -> Any:
     )
     return _quiet(
         KandinskyV22CombinedPipeline(
-            unet=unet.eval(),
+            unet=unet,
             scheduler=DDPMScheduler(
                 beta_schedule="linear", beta_start=0.00085, beta_end=0.012, clip_sample=False, steps_offset=1,
             ),
-            movq=movq.eval(),
-            prior_prior=prior.eval(),
+            movq=movq,
+            prior_prior=prior,
             prior_image_encoder=image_encoder.eval(),
             prior_text_encoder=clip_text_encoder(projection=True, seed=seed),
             prior_tokenizer=clip_tokenizer(),

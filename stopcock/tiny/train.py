@@ -66,3 +66,4 @@ def train_text_model(folder: str | Path, *, steps: int = 600, seed: int = 0) -> 
 
 if __name__ == "__main__":
     train_text_model(sys.argv[1])
+

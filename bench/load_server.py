@@ -1,0 +1,270 @@
+"""The server's load check: concurrent streaming clients that stop or disconnect at random.
+
+``python -m bench.load_server [--clients N] [--requests R] [--concurrency C] [--seed S] [--quick]``
+serves the tiny text and image models on 127.0.0.1 (loopback only; a free port) and runs ``N``
+clients at once, each making ``R`` streaming requests: an OpenAI-style streamed completion, or an
+image job followed over its event stream. After a random number of chunks each client either
+stops its job (``POST /v1/jobs/{id}/stop``), disconnects (text only: closing the stream stops the
+job), or lets it finish. It reports the stop latency, in steps (steps done after the stop request:
+the job's ``step - stop_step``) and in milliseconds (stop: request to acknowledged answer;
+disconnect: the client closing to the job's end), p50 and p99, and checks that no job is left
+running or queued, that every job ended in a final state with the right reason, and that no
+worker thread leaked. Exit status 1 if a check fails.
+
+``run(quick)`` returns a :class:`bench.common.Section`, so it can join ``python -m bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from .common import Section, Table
+
+FINAL = {"stopped", "completed", "failed"}
+
+
+@dataclass
+class Record:
+    kind: str
+    action: str  # stop | disconnect | finish
+    job: str
+    requested_at: float | None = None  # wall clock, when the client stopped or went away
+    ack_ms: float | None = None
+    view: dict[str, Any] = field(default_factory=dict)
+
+
+def _models(folder: Path) -> dict[str, Any]:
+    from diffusers import DiffusionPipeline
+    from transformers import pipeline
+
+    from stopcock.server.backends import ImageBackend, TextBackend
+    from stopcock.tiny.image import build_image_model
+    from stopcock.tiny.text import build_text_model
+
+    text = pipeline("text-generation", model=str(build_text_model(folder / "text")))
+    image = DiffusionPipeline.from_pretrained(build_image_model(folder / "image"))
+    image.set_progress_bar_config(disable=True)
+    return {"text": TextBackend(text, "tiny-text"), "image": ImageBackend(image, "tiny-sd")}
+
+
+async def _sse(response: httpx.Response) -> Any:
+    async for line in response.aiter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
+async def _text(client: httpx.AsyncClient, rng: random.Random, records: list[Record]) -> None:
+    action = rng.choice(["stop", "stop", "disconnect", "disconnect", "finish"])
+    after = rng.randint(1, 30)
+    tokens = 40 if action == "finish" else 600
+    body = {
+        "model": "tiny-text",
+        "prompt": "Once upon a time",
+        "max_tokens": tokens,
+        "stream": True,
+        "temperature": 0,
+    }
+    record: Record | None = None
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code == 429:  # the queue is full: a correct answer under load
+            return
+        chunks = 0
+        async for chunk in _sse(response):
+            if record is None:
+                record = Record("text", action, chunk["id"].removeprefix("cmpl-"))
+                records.append(record)
+            chunks += 1
+            if chunks >= after and action == "stop":
+                record.requested_at = time.time()
+                start = time.perf_counter()
+                await client.post(f"/v1/jobs/{record.job}/stop")
+                record.ack_ms = (time.perf_counter() - start) * 1000
+                action = "finish"  # read the stream to its end
+            elif chunks >= after and action == "disconnect":
+                record.requested_at = time.time()
+                break  # leaving the block closes the connection
+
+
+async def _image(client: httpx.AsyncClient, rng: random.Random, records: list[Record]) -> None:
+    action = rng.choice(["stop", "stop", "finish"])
+    steps = 4 if action == "finish" else 100
+    response = await client.post(
+        "/v1/jobs",
+        json={"kind": "image", "prompt": "a red square", "parameters": {"steps": steps, "previews": False}},
+    )
+    if response.status_code == 429:
+        return
+    record = Record("image", action, response.json()["id"])
+    records.append(record)
+    after = rng.randint(1, 10)
+    async with client.stream("GET", f"/v1/jobs/{record.job}/events") as events:
+        async for event in _sse(events):
+            if action == "stop" and event["type"] == "progress" and event["step"] >= after:
+                record.requested_at = time.time()
+                start = time.perf_counter()
+                await client.post(f"/v1/jobs/{record.job}/stop")
+                record.ack_ms = (time.perf_counter() - start) * 1000
+                action = "finish"
+            if event["type"] == "done":
+                break
+
+
+async def _client(url: str, rng: random.Random, requests: int, records: list[Record]) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        for _ in range(requests):
+            await (_image if rng.random() < 0.25 else _text)(client, rng, records)
+
+
+async def _final_views(url: str, records: list[Record]) -> None:
+    """Each job's final view, read from its event stream (which ends with ``done``)."""
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        for record in records:
+            async with client.stream("GET", f"/v1/jobs/{record.job}/events") as events:
+                async for event in _sse(events):
+                    if event["type"] == "done":
+                        record.view = event
+
+
+def _pct(values: list[float], q: float) -> str:
+    if not values:
+        return "-"
+    ordered = sorted(values)
+    return f"{ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]:.1f}"
+
+
+def run(
+    quick: bool = False, *, clients: int = 8, requests: int = 6, concurrency: int = 2, seed: int = 0
+) -> Section:
+    import torch
+
+    from stopcock.server.testing import serving
+
+    if quick:
+        clients, requests = 3, 2
+    torch.set_num_threads(1)
+    rng = random.Random(seed)
+    records: list[Record] = []
+    with tempfile.TemporaryDirectory() as folder:
+        backends = _models(Path(folder))
+        baseline = {t.ident for t in threading.enumerate()}
+        started = time.perf_counter()
+        with serving(backends, concurrency=concurrency, queue_size=clients) as (url, engine):
+            workers = [t for t in threading.enumerate() if t.name.startswith("stopcock-worker")]
+
+            async def main() -> None:
+                seeds = [rng.randrange(2**32) for _ in range(clients)]
+                await asyncio.gather(*(_client(url, random.Random(s), requests, records) for s in seeds))
+                await _final_views(url, records)
+
+            asyncio.run(main())
+            stats = engine.stats()
+        seconds = time.perf_counter() - started
+    leaked = [t for t in threading.enumerate() if t.ident not in baseline and t.is_alive()]
+
+    problems = []
+    if stats["running"] or stats["queued"]:
+        problems.append(f"jobs left: {stats}")
+    for r in records:
+        state, reason = r.view.get("state"), r.view.get("reason")
+        if state not in FINAL:
+            problems.append(f"job {r.job} ({r.kind}, {r.action}) ended {state!r}")
+        expected = {"stop": "user", "disconnect": "disconnected"}.get(r.action)
+        if expected and state == "stopped" and reason != expected:
+            problems.append(f"job {r.job} stopped for {reason!r}, expected {expected!r}")
+    if any(w.is_alive() for w in workers) or leaked:
+        problems.append(f"threads left after shutdown: {[t.name for t in leaked or workers]}")
+
+    table = Table(
+        "Stop latency under load (p50 / p99)",
+        [
+            "action",
+            "jobs",
+            "stopped mid-run",
+            "steps after the stop",
+            "ms",
+            "ms measures",
+            "run's stop_latency ms",
+        ],
+    )
+    for action, kind, measure in [
+        ("stop", "text", "stop request to acknowledged answer"),
+        ("stop", "image", "stop request to acknowledged answer"),
+        ("disconnect", "text", "client gone to job ended (server clock)"),
+    ]:
+        rows = [r for r in records if r.action == action and r.kind == kind]
+        mid = [
+            r
+            for r in rows
+            if r.view.get("state") == "stopped"
+            and r.view.get("stop_step") is not None
+            and r.view.get("started")
+        ]
+        steps = [float(r.view["step"] - r.view["stop_step"]) for r in mid]
+        if action == "stop":
+            ms = [r.ack_ms for r in mid if r.ack_ms is not None]
+        else:
+            ms = [(r.view["finished"] - r.requested_at) * 1000 for r in mid if r.requested_at is not None]
+        core = [
+            r.view["outcome"]["stop_latency"] * 1000
+            for r in mid
+            if r.view["outcome"].get("stop_latency") is not None
+        ]
+        table.add(
+            f"{action} ({kind})",
+            len(rows),
+            len(mid),
+            f"{_pct(steps, 0.5)} / {_pct(steps, 0.99)}",
+            f"{_pct(ms, 0.5)} / {_pct(ms, 0.99)}",
+            measure,
+            f"{_pct(core, 0.5)} / {_pct(core, 0.99)}",
+        )
+    finished = sum(r.view.get("state") == "completed" for r in records)
+    checks = "all checks passed" if not problems else "FAILED: " + "; ".join(problems)
+    section = Section(
+        title="Server under load",
+        intro=f"`python -m bench.load_server{' --quick' if quick else ''}`: {clients} concurrent streaming"
+        f" clients x {requests} requests on 127.0.0.1, concurrency {concurrency}, tiny random-weight models,"
+        f" seed {seed}, {seconds:.1f} s. 'Steps after the stop' counts the steps a job completed after the"
+        " step it had reported when the stop arrived (the step in flight, plus at most one its check had"
+        " already let through). The run's stop_latency is stopcock's own (stop signal to the run's return)."
+        " Clients and server share one Python process (and its GIL), so the ms include contention.",
+        tables=[table],
+        notes=[
+            f"{len(records)} jobs ({finished} ran to completion). Checks: no job left running or queued,"
+            f" every job in a final state with the expected reason, no worker thread left: {checks}."
+        ],
+        data={"problems": problems, "records": len(records)},
+    )
+    section.headline = [f"server under load: {table.rows[0][3]} steps after a stop (p50 / p99), {checks}"]
+    return section
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.load_server", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=6, help="requests per client")
+    parser.add_argument("--concurrency", type=int, default=2, help="jobs running at once on the server")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="3 clients x 2 requests")
+    args = parser.parse_args(argv)
+    section = run(
+        args.quick, clients=args.clients, requests=args.requests, concurrency=args.concurrency, seed=args.seed
+    )
+    print(section.markdown())
+    return 1 if section.data["problems"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""``stopcock serve`` as a user runs it: a subprocess on loopback, stopped with Ctrl+C (SIGINT)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from stopcock.server.serve import STEP_DELAY_ENV
+from stopcock.server.testing import sse_data
+
+
+def test_serve_runs_and_shuts_down_cleanly_on_ctrl_c(text_model_dir, tmp_path):
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# one key per line\nsecret-1\n\nsecret-2\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", STEP_DELAY_ENV: "0.05", "XDG_CACHE_HOME": str(tmp_path)}
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "stopcock.cli",
+            "serve",
+            "--text-model",
+            str(text_model_dir),
+            "--port",
+            "0",
+            "--api-keys-file",
+            str(keys),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert process.stderr is not None
+        for line in process.stderr:  # uvicorn says where it listens once it is ready
+            found = re.search(r"running on (http://127\.0\.0\.1:\d+)", line, re.IGNORECASE)
+            if found:
+                break
+        else:
+            pytest.fail("the server never said it was running")
+        url, headers = found.group(1), {"Authorization": "Bearer secret-2"}
+        with httpx.Client(base_url=url, headers=headers, timeout=60) as client:
+            assert client.get("/v1/models").json()["data"][0]["stopcock_kind"] == "text"
+            assert client.get("/v1/models", headers={"Authorization": "Bearer nope"}).status_code == 401
+            job = client.post(
+                "/v1/jobs", json={"kind": "text", "prompt": "Hi", "parameters": {"max_tokens": 1000}}
+            )
+            with client.stream("GET", f"/v1/jobs/{job.json()['id']}/events") as events:
+                for event in sse_data(events.iter_lines()):
+                    if event["type"] == "progress" and event["step"] >= 2:
+                        process.send_signal(signal.SIGINT)  # Ctrl+C: the running job ends, its stream too
+                    if event["type"] == "done":
+                        break
+        assert (event["state"], event["reason"]) == ("stopped", "shutdown") and event["step"] < 1000
+        assert process.wait(timeout=60) == 130  # the CLI's exit code for Ctrl+C, after a clean shutdown
+    finally:
+        process.kill()
+        process.wait()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--port", "70000"], "a port is 0..65535"),
+        (["--concurrency", "0"], "must be >= 1"),
+        (["--api-key", "a", "--api-keys-file", "f"], "not allowed with argument"),
+    ],
+)
+def test_bad_serve_arguments_exit_2(args, message):
+    done = subprocess.run(
+        [sys.executable, "-m", "stopcock.cli", "serve", *args], capture_output=True, text=True
+    )
+    assert done.returncode == 2 and message in done.stderr
+
+
+def test_an_empty_keys_file_is_an_error(tmp_path):
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# nothing here\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "stopcock.cli", "serve", "--api-keys-file", str(keys)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)},
+    )
+    assert done.returncode == 1 and "holds no keys" in done.stderr

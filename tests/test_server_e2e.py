@@ -1,0 +1,94 @@
+"""The web page, end to end in headless Chromium: start a run, click Stop, and check that the page
+and the server agree on how it ended. Screenshots are kept in ``artifacts/`` (git-ignored).
+
+The engine's test-only ``step_delay`` throttle keeps the tiny models' jobs running until Stop is
+clicked; the test waits for progress on the page (never sleeps) before clicking.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from stopcock.server.backends import ImageBackend, TextBackend
+from stopcock.server.testing import serving
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
+KEY = "e2e-key"
+
+
+@pytest.fixture(scope="module")
+def url(text_pipe, image_pipe):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    backends = {"text": TextBackend(text_pipe, "tiny-text"), "image": ImageBackend(image_pipe, "tiny-sd")}
+    with serving(backends, api_keys=[KEY], concurrency=1, queue_size=4, step_delay=0.02) as (base, _):
+        yield base
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def page(url):
+    if not Path(CHROMIUM).exists():
+        pytest.skip("needs Debian's chromium at /usr/bin/chromium: run `make browser`")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM,
+            args=[
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+            ],
+        )
+        page = browser.new_page()
+        page.set_default_timeout(60_000)
+        page.goto(url)
+        page.fill("#key", KEY)
+        page.dispatch_event("#key", "change")
+        yield page
+        browser.close()
+
+
+def _server_view(url: str, job: str) -> dict:
+    return httpx.get(f"{url}/v1/jobs/{job}", headers={"Authorization": f"Bearer {KEY}"}).json()
+
+
+@pytest.mark.parametrize(
+    ("kind", "field", "size", "progress"), [("text", "#max-tokens", "1000", 3), ("image", "#steps", "200", 2)]
+)
+def test_generate_then_stop_in_the_browser(page, url, kind, field, size, progress):
+    page.check(f"input[name=kind][value={kind}]")
+    page.fill("#prompt", "Once upon a time")
+    page.fill(field, size)
+    page.click("#generate")
+    page.wait_for_function(f"Number(document.getElementById('progress').value) >= {progress}")
+    if kind == "text":
+        assert page.inner_text("#output").strip()
+    else:
+        page.wait_for_function("document.getElementById('preview').src.startsWith('data:image/png')")
+    page.click("#stop")
+    status = page.locator("#status[data-state=stopped]")
+    status.wait_for()
+    job, step, reason = (status.get_attribute(a) for a in ("data-job", "data-step", "data-reason"))
+    text = status.inner_text()
+    assert reason == "user" and f"at step {step} of {size}" in text and "Stopped" in text
+    assert progress <= int(step) < int(size)
+    assert page.is_disabled("#stop") and page.is_enabled("#generate")
+
+    server = _server_view(url, job)
+    assert (server["state"], server["reason"], server["step"]) == ("stopped", "user", int(step))
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / f"server-e2e-{kind}.png"
+    page.screenshot(path=str(shot), full_page=True)
+    print(f"screenshot: {shot}")
+    assert shot.stat().st_size > 0

@@ -1,0 +1,111 @@
+"""Hundreds of generations stopped from other threads at random moments: all return, all consistent."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+import stopcock
+from stopcock.hooks import find_blocks
+
+RUNS = 300
+NEW = 16
+MOMENTS = ("before", "prefill", "mid", "end")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+def test_random_stops_from_other_threads(text_model, tokenizer):
+    rng = random.Random(1234)
+    prompts = tokenizer(["Hello world", "The quick brown fox jumps over"], return_tensors="pt", padding=True)
+    prompt_len = prompts["input_ids"].shape[1]
+    first_block = find_blocks(text_model)[0]
+    seen_moments = set()
+
+    for i in range(RUNS):
+        moment, mode = rng.choice(MOMENTS), rng.choice(("finish", "abort"))
+        rows = rng.choice((1, 2))
+        batch = {k: v[:rows] for k, v in prompts.items()}
+        stop_step = rng.randint(1, NEW)
+        signal, trigger = stopcock.StopSignal(), threading.Event()
+        step_times: dict[int, float] = {}
+        result: dict[str, stopcock.Outcome] = {}
+
+        def stopper(signal=signal, trigger=trigger, i=i) -> None:
+            trigger.wait()
+            signal.stop(f"stop-{i}")
+
+        def on_step(
+            state, trigger=trigger, step_times=step_times, moment=moment, stop_step=stop_step
+        ) -> None:
+            step_times[state.step] = time.monotonic()
+            if moment == "mid" and state.step == stop_step:
+                trigger.set()
+
+        def in_prefill(module, args, trigger=trigger, moment=moment, step_times=step_times) -> None:
+            if moment == "prefill" and not step_times:
+                trigger.set()
+
+        def generate(batch=batch, signal=signal, mode=mode, on_step=on_step, result=result) -> None:
+            result["outcome"] = stopcock.run(
+                text_model,
+                **batch,
+                max_new_tokens=NEW,
+                do_sample=False,
+                stop=signal,
+                mode=mode,
+                on_step=on_step,
+            )
+
+        thread = threading.Thread(target=stopper)
+        thread.start()
+        if moment == "before":
+            trigger.set()
+            thread.join()
+        hook = first_block.register_forward_pre_hook(in_prefill)
+        worker = threading.Thread(target=generate)
+        try:
+            worker.start()
+            worker.join(60)
+            assert not worker.is_alive(), f"run {i} ({moment}, {mode}) hangs"
+        finally:
+            hook.remove()
+        trigger.set()  # "end": the stop comes after the run; a no-op for the others
+        thread.join(60)
+        assert not thread.is_alive()
+        outcome = result["outcome"]
+        seen_moments.add((moment, outcome.stopped))
+
+        # every Outcome is consistent
+        assert outcome.steps == len(step_times) <= NEW
+        output = outcome.output
+        assert output.shape[0] == rows and output.shape[1] == prompt_len + outcome.steps
+        assert torch.equal(output[:, :prompt_len], batch["input_ids"])
+        if outcome.stopped:
+            assert outcome.reason == f"stop-{i}" and signal.stopped
+            assert outcome.stop_latency is not None and outcome.stop_latency >= 0
+            # a row that reached max_new_tokens at the step where the stop was seen says "length"
+            expected = "length" if outcome.steps == NEW else outcome.reason
+            assert outcome.row_reasons == [expected] * rows
+        else:
+            assert (outcome.reason, outcome.steps, outcome.stop_latency) == ("length", NEW, None)
+        if moment == "before":
+            assert outcome.stopped and outcome.steps == 0
+        if moment == "end":
+            assert not outcome.stopped
+        # a stop requested before a step's report is seen by the next step's check: within one step
+        assert signal.stopped_at is not None
+        later = [s for s, t in step_times.items() if t > signal.stopped_at]
+        if later and min(later) < outcome.steps:
+            assert outcome.stopped and outcome.steps <= min(later) + 1
+
+    assert [h for m in text_model.modules() for h in m._forward_pre_hooks.values()] == []
+    assert {("before", True), ("mid", True), ("end", False)} <= seen_moments
+    assert any(moment == "prefill" for moment, _ in seen_moments)
