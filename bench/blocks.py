@@ -1,8 +1,9 @@
-"""3. Per-block abort on a deeper model: a stop inside one decoding step, at several depths.
+"""3. Per-block abort on deeper models: a stop inside one step, where sub-step latency shows.
 
-A step-level stop (the native criterion, stopcock's finish mode) waits for the rest of the current
-forward, so its latency falls as the stop lands deeper in the step; abort mode leaves the forward
-at the next block, so its latency stays about one block wherever the stop lands.
+A step-level stop (the native criterion or interrupt, stopcock's finish mode) waits for the rest
+of the current forward (and, for diffusers, the VAE decode), so its latency falls as the stop lands
+deeper in the step; abort mode leaves the forward at the next block, so its latency stays about
+one block wherever the stop lands.
 """
 
 from __future__ import annotations
@@ -10,69 +11,101 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .common import RANDOM_WEIGHTS, Section, Table
-from .latency import ARMS, COLUMNS, add_rows, measure, text_scenario, unit_seconds
+from .common import RANDOM_WEIGHTS, Section, Table, deep_flux_pipeline, middle_block, ms
+from .latency import ARMS, COLUMNS, add_rows, image_scenario, measure, text_scenario, unit_seconds
 
 
 @dataclass(frozen=True)
 class Config:
-    model: tuple[int, int, int]  # (n_layer, n_embd, n_head)
+    gpt2: tuple[int, int, int]  # (n_layer, n_embd, n_head)
     prompt_tokens: int
     new_tokens: int
-    stop_token: int  # the decoding step (forward number) in which the stop is requested
-    depths: tuple[float, ...]  # where in the step: fraction of the blocks already entered
+    stop_token: int  # the forward (0 is the prefill) in which the stop is requested
+    depths: tuple[float, ...]  # which block: 0 the first, 1 the last
+    dit: tuple[int, int]  # Flux transformer: (double-stream blocks, single-stream blocks)
+    dit_steps: int
+    dit_stop_step: int
     reps: int
 
 
-QUICK = Config(model=(2, 64, 2), prompt_tokens=16, new_tokens=6, stop_token=3, depths=(0.5,), reps=1)
-FULL = Config(model=(24, 512, 8), prompt_tokens=16, new_tokens=10, stop_token=5, depths=(0.25, 0.5, 0.75),
-              reps=7)
+QUICK = Config(gpt2=(2, 64, 2), prompt_tokens=16, new_tokens=6, stop_token=3, depths=(0.0,),
+               dit=(1, 2), dit_steps=3, dit_stop_step=1, reps=1)
+FULL = Config(gpt2=(24, 512, 8), prompt_tokens=16, new_tokens=10, stop_token=5, depths=(0.0, 0.5, 0.9),
+              dit=(8, 16), dit_steps=6, dit_stop_step=3, reps=5)
+
+
+def _gpt2(c: Config, data: dict[str, Any]) -> Table:
+    n_layer, n_embd, _ = c.gpt2
+    table = Table(f"GPT-2 {n_layer}x{n_embd}: stop requested inside the forward of token {c.stop_token + 1}",
+                  [col.format(unit="steps") for col in COLUMNS])
+    for depth in c.depths:
+        s = text_scenario(c.gpt2, c.prompt_tokens, c.new_tokens, at_call=c.stop_token, block_fraction=depth)
+        measure(s, c.reps)
+        data[f"gpt2 {s.where}"] = add_rows(table, s, unit_seconds(s, first=False))
+    return table
+
+
+def _dit(c: Config, data: dict[str, Any]) -> tuple[Table, str]:
+    pipe = deep_flux_pipeline(*c.dit)
+    n_blocks = sum(c.dit)
+    trigger = middle_block(pipe.transformer) + ".attn"  # a single-stream block: its attention is mid-block
+    s = image_scenario(
+        f"Flux DiT, {n_blocks} blocks, 32x32", pipe, pipe.transformer, trigger,
+        c.dit_steps, c.dit_stop_step, height=32, width=32, max_sequence_length=32,
+    )
+    measure(s, c.reps)
+    table = Table(f"Flux-style DiT ({n_blocks} blocks): stop requested inside step {c.dit_stop_step + 1}"
+                  f" of {c.dit_steps}", [col.format(unit="steps") for col in COLUMNS])
+    data["dit"] = add_rows(table, s, unit_seconds(s, first=False))
+    return table, s.where
 
 
 def run(quick: bool = False) -> Section:
     c = QUICK if quick else FULL
-    n_layer, n_embd, _ = c.model
-    table = Table(f"GPT-2 {n_layer}x{n_embd}: stop requested inside the forward of token {c.stop_token + 1}",
-                  [col.format(unit="steps") for col in COLUMNS])
+    n_layer, n_embd, _ = c.gpt2
     data: dict[str, Any] = {}
-    where = ""
-    for depth in c.depths:
-        block = min(n_layer - 1, int(depth * n_layer))
-        s = text_scenario(
-            f"inside block {block + 1} of {n_layer}", c.model, c.prompt_tokens, c.new_tokens,
-            at_call=c.stop_token, block_fraction=depth,
-        )
-        where = s.where.split(" of block")[0]
-        measure(s, c.reps)
-        data[f"block {block + 1}"] = add_rows(table, s, unit_seconds(s, first=False))
-    last = data[next(reversed(data))] if data else {}
-    headline = []
-    if ARMS[3] in last:
-        first = data[next(iter(data))]
-        headline.append(
-            f"Abort inside a decoding step of a {n_layer}-block GPT-2: {first[ARMS[3]]['in_blocks']:.1f}"
-            f" to {last[ARMS[3]]['in_blocks']:.1f} blocks after `stop()`, against"
-            f" {first['native']['in_blocks']:.1f} to {last['native']['in_blocks']:.1f} blocks for"
-            " the native criterion (which also keeps the token of that step)."
-        )
+    gpt2_table = _gpt2(c, data)
+    dit_table, dit_where = _dit(c, data)
     return Section(
-        title="3. Per-block abort on a deeper model",
+        title="3. Per-block abort on deeper models",
         intro=(
-            f"A {n_layer}-block GPT-2 (n_embd {n_embd}), greedy decoding of {c.new_tokens} tokens"
-            f" after a {c.prompt_tokens}-token prompt. A forward pre-hook holds the run until another"
-            f" thread has called `stop()`, in the forward that produces token {c.stop_token + 1},"
-            f" before {where} of the given block: halfway through it, where abort mode waits for the"
-            f" rest of the block. Median of {c.reps} runs per arm, interleaved. *In steps* divides by"
-            f" the median decoding step of the runs without a stop, *in blocks* by a step / {n_layer}."
+            f"A {n_layer}-block GPT-2 (n_embd {n_embd}) decoding {c.new_tokens} tokens greedily after a"
+            f" {c.prompt_tokens}-token prompt, stopped in the forward that produces token"
+            f" {c.stop_token + 1} before the MLP of a block; and a Flux pipeline with a"
+            f" {sum(c.dit)}-block transformer (128 channels) running {c.dit_steps} steps, stopped in"
+            f" step {c.dit_stop_step + 1} before {dit_where}. Both stops land halfway through a block,"
+            " where abort mode waits for the rest of it. A forward pre-hook holds the run until"
+            f" another thread has called `stop()`. Median of {c.reps} runs per arm, interleaved."
+            " *In steps* divides by the median step of the runs without a stop, *in blocks* by a"
+            " step / the number of blocks."
         ),
-        tables=[table],
+        tables=[gpt2_table, dit_table],
         notes=[
             "The row *no stop* is the rest of the run from the same moment, for scale.",
             "Abort mode checks before every block (forward pre-hooks), so it returns within about"
-            " one block; step-level stops finish the forward first and keep its token. A stop in the"
-            " last block is seen at the end of that forward, as in finish mode.",
+            " one block; step-level stops finish the forward first (and keep its token, or decode"
+            " the latents). A stop in a model's last block is seen at the end of that forward, as in"
+            " finish mode.",
             RANDOM_WEIGHTS,
         ],
         data=data,
-        headline=headline,
+        headline=_headline(data, n_layer, sum(c.dit)),
     )
+
+
+def _headline(data: dict[str, Any], gpt2_blocks: int, dit_blocks: int) -> list[str]:
+    gpt2 = [v for k, v in data.items() if k.startswith("gpt2")]
+    dit = data["dit"]
+    if ARMS[3] not in dit or not gpt2:
+        return []
+    abort = [d[ARMS[3]]["in_blocks"] for d in gpt2]
+    native = [d["native"]["in_blocks"] for d in gpt2]
+    return [
+        f"Abort inside a decoding step of a {gpt2_blocks}-block GPT-2: {min(abort):.1f} to {max(abort):.1f}"
+        f" blocks after `stop()`, against {min(native):.1f} to {max(native):.1f} blocks for the native"
+        " criterion, depending on where in the step the stop lands.",
+        f"Inside a denoising step of a {dit_blocks}-block DiT: abort {ms(dit[ARMS[3]]['latency_s'])} ms"
+        f" ({dit[ARMS[3]]['in_blocks']:.1f} blocks), native interrupt {ms(dit['native']['latency_s'])} ms"
+        f" ({dit['native']['in_units']:.2f} steps, decode included), stopcock finish"
+        f" {ms(dit[ARMS[2]]['latency_s'])} ms.",
+    ]

@@ -244,29 +244,28 @@ def image_pipeline(scheduler: str = "ddim") -> Any:
     return pipe
 
 
-def supported(target: object) -> bool:
-    """Whether a stopcock adapter drives ``target`` (the adapters land while the benchmarks grow)."""
-    from stopcock.runner import UnsupportedTarget, adapter_for
+def deep_flux_pipeline(double_blocks: int = 8, single_blocks: int = 16) -> Any:
+    """The tiny Flux pipeline of :mod:`stopcock.tiny.image` with a deeper, wider transformer
+    (random weights; 24 blocks and 128 channels by default): a DiT of realistic depth, CPU-sized."""
+    from diffusers import FluxTransformer2DModel
 
-    try:
-        adapter_for(target)
-    except (UnsupportedTarget, ModuleNotFoundError):  # no adapter for it, or an adapter not written yet
-        return False
-    return True
+    from stopcock.tiny.image import flux_pipeline
 
-
-def inside(block: nn.Module) -> tuple[nn.Module, str]:
-    """A submodule about halfway through ``block`` (registration order), and its name.
-
-    A stop that lands there is mid-block: abort mode then waits for the rest of this block, as a
-    stop arriving at a random moment would on average. (A stop landing at a block's entry would be
-    seen at once by stopcock's pre-hook on that block: the best case, not a typical one.)
-    """
-    named = list(block.named_modules())[1:]
-    if not named:
-        raise ValueError(f"{type(block).__name__} has no submodules to land a stop in")
-    name, module = named[len(named) // 2]
-    return module, name
+    pipe = flux_pipeline()
+    torch.manual_seed(0)
+    transformer: Any = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4,
+        num_layers=double_blocks,
+        num_single_layers=single_blocks,
+        attention_head_dim=16,
+        num_attention_heads=8,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=[4, 4, 8],
+    )
+    pipe.transformer = transformer.eval()
+    return pipe
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
@@ -275,6 +274,13 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     if not found:
         raise ValueError(f"{type(model).__name__} has no blocks to hook")
     return found
+
+
+def middle_block(model: nn.Module) -> str:
+    """The qualified name of the middle one of ``model``'s blocks."""
+    names = {id(m): name for name, m in model.named_modules()}
+    found = blocks(model)
+    return names[id(found[len(found) // 2])]
 
 
 def quiet() -> None:

@@ -27,12 +27,10 @@ from .common import (
     Table,
     blocks,
     image_pipeline,
-    inside,
     median,
     ms,
     prompt_ids,
     stop_from_thread,
-    supported,
     text_model,
 )
 
@@ -124,9 +122,8 @@ def measure(s: Scenario, reps: int) -> dict[str, list[dict[str, Any]]]:
     """Run every arm ``reps`` times in rotating order; the raw measurements per arm."""
     setups: dict[str, Callable[[], ArmSetup]] = {ARMS[0]: lambda: plain_arm(s)}
     setups[ARMS[1]] = lambda: s.native(s)
-    if supported(s.target):
-        setups[ARMS[2]] = lambda: stopcock_arm(s, "finish")
-        setups[ARMS[3]] = lambda: stopcock_arm(s, "abort")
+    setups[ARMS[2]] = lambda: stopcock_arm(s, "finish")
+    setups[ARMS[3]] = lambda: stopcock_arm(s, "abort")
     names = list(setups)
     s.results = {name: [] for name in names}
     for r in range(reps):
@@ -195,45 +192,51 @@ QUICK = Config(image_steps=4, image_stop_step=2, text_model=(2, 64, 2), prompt_t
 FULL = Config(image_steps=20, image_stop_step=10, text_model=(12, 384, 6), prompt_tokens=900, reps=7)
 
 
-def image_scenario(steps: int, stop_step: int) -> Scenario:
-    pipe = image_pipeline()
-    trigger, name = inside(pipe.unet.mid_block.attentions[0])  # the middle of the UNet's forward
+def image_scenario(label: str, pipe: Any, denoiser: nn.Module, trigger: str, steps: int, stop_step: int,
+                   **options: Any) -> Scenario:
+    """A pipeline stopped just before ``denoiser``'s submodule ``trigger`` (name it inside a block,
+    so the stop lands mid-block) during step ``stop_step + 1``; ``options`` go to every call."""
+
+    def kwargs() -> dict[str, Any]:
+        return {"num_inference_steps": steps, "generator": torch.Generator().manual_seed(0), **options}
+
     return Scenario(
-        label=f"tiny SD 64x64, DDIM, {steps} steps",
+        label=label,
         target=pipe,
         call=pipe,
         args=("a red fox",),
-        kwargs=lambda: {"num_inference_steps": steps, "generator": torch.Generator().manual_seed(0)},
+        kwargs=kwargs,
         total=steps,
-        clock=pipe.unet,
-        trigger=trigger,
+        clock=denoiser,
+        trigger=denoiser.get_submodule(trigger),
         at_call=stop_step,
-        where=f"`mid_block.attentions[0].{name}` of the UNet",
+        where=f"`{trigger}` of the {type(denoiser).__name__}",
         native_name="native `_interrupt` callback",
         native=interrupt_arm,
-        n_blocks=len(blocks(pipe.unet)),
+        n_blocks=len(blocks(denoiser)),
     )
 
 
-def text_scenario(label: str, model_shape: tuple[int, int, int], prompt: int, new_tokens: int,
-                  at_call: int, block_fraction: float) -> Scenario:
-    """Generation stopped inside the block at ``block_fraction`` of the depth, during forward
-    number ``at_call`` (0 is the prefill)."""
+def text_scenario(model_shape: tuple[int, int, int], prompt: int, new_tokens: int, at_call: int,
+                  block_fraction: float, label: str | None = None) -> Scenario:
+    """Generation stopped before the MLP of a block (after its attention: mid-block), the block at
+    ``block_fraction`` of the depth from the first (0) to the last (1), during forward number
+    ``at_call`` (0 is the prefill). The label defaults to where the stop lands."""
     model, tokenizer = text_model(*model_shape)
     layers = blocks(model)
-    index = min(len(layers) - 1, int(block_fraction * len(layers)))
-    trigger, name = inside(layers[index])
+    index = round(block_fraction * (len(layers) - 1))
+    where = f"the MLP of block {index + 1} of {len(layers)}"
     return Scenario(
-        label=label,
+        label=label or f"before {where}",
         target=model,
         call=model.generate,
         args=(prompt_ids(tokenizer, prompt),),
         kwargs=lambda: {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False},
         total=new_tokens,
         clock=model,
-        trigger=trigger,
+        trigger=layers[index].get_submodule("mlp"),
         at_call=at_call,
-        where=f"`{name}` of block {index + 1} of {len(layers)}",
+        where=where,
         native_name="native `StoppingCriteria`",
         native=criterion_arm,
         n_blocks=len(layers),
@@ -242,11 +245,16 @@ def text_scenario(label: str, model_shape: tuple[int, int, int], prompt: int, ne
 
 def run(quick: bool = False) -> Section:
     c = QUICK if quick else FULL
-    image = image_scenario(c.image_steps, c.image_stop_step)
+    pipe = image_pipeline()
+    image = image_scenario(  # the cross-attention of the UNet's mid block: the middle of its forward
+        f"tiny SD 64x64, DDIM, {c.image_steps} steps", pipe, pipe.unet,
+        "mid_block.attentions.0.transformer_blocks.0.attn2",
+        c.image_steps, c.image_stop_step,
+    )
     n_layer, n_embd, _ = c.text_model
     prefill = text_scenario(
-        f"GPT-2 {n_layer}x{n_embd}, {c.prompt_tokens}-token prompt, stop mid-prefill",
         c.text_model, c.prompt_tokens, new_tokens=8, at_call=0, block_fraction=0.5,
+        label=f"GPT-2 {n_layer}x{n_embd}, {c.prompt_tokens}-token prompt, stop mid-prefill",
     )
     measure(image, c.reps)
     measure(prefill, c.reps)
@@ -265,8 +273,8 @@ def run(quick: bool = False) -> Section:
             f"From `stop()` on another thread to the call returning; median of {c.reps} runs per arm,"
             " interleaved. A forward pre-hook holds the run until a second thread has called"
             f" `stop()`: diffusers before {image.where} during step {c.image_stop_step + 1} of"
-            f" {c.image_steps}; transformers before {prefill.where} in the prefill forward, so the"
-            " stop lands mid-block, where abort mode waits for the rest of that block. *In steps*"
+            f" {c.image_steps}; transformers before {prefill.where} in the prefill forward. Both land"
+            " mid-block, where abort mode waits for the rest of that block. *In steps*"
             " divides by the median step (start to start of the denoiser's forwards) of the runs"
             " without a stop, *in prefills* by their prefill forward; *in blocks* divides that"
             " unit by the number of blocks stopcock hooks (an average block, an approximation)."

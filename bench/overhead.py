@@ -25,7 +25,6 @@ from .common import (
     interleaved,
     median,
     prompt_ids,
-    supported,
     text_model,
     timed,
 )
@@ -113,9 +112,8 @@ def arms(name: str, plain: Callable[..., Any], target: Any, args: tuple[Any, ...
         return timed(lambda: stopcock.run(target, *args, stop=stopcock.StopSignal(), mode=mode, **kwargs()))
 
     found: Arms = {f"plain `{name}`": lambda: timed(lambda: plain(*args, **kwargs()))}
-    if supported(target):
-        for mode in ("finish", "abort"):
-            found[f"`run`, mode={mode}"] = functools.partial(with_stopcock, mode)
+    for mode in ("finish", "abort"):
+        found[f"`run`, mode={mode}"] = functools.partial(with_stopcock, mode)
     return found
 
 

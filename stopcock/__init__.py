@@ -24,7 +24,9 @@ from .outcome import Outcome
 from .runner import UnsupportedTarget, run
 from .signal import StopSignal
 from .state import StepState
-from .stream import stream  # eager (it imports no heavy library): the submodule's name is taken by the function
+
+# Eager (it imports no heavy library): a lazy name would be shadowed by the submodule once imported.
+from .stream import stream
 
 __version__ = "0.1.0"
 

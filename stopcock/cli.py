@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -83,7 +84,7 @@ _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 
 
 def resolve_model(spec: str | None, kind: str) -> str:
-    """The folder or hub id to load: the built-in demo model when ``spec`` is None."""
+    """The folder or hub id to load: the built-in demo model (loaded quietly) when ``spec`` is None."""
     if spec is None:
         from .tiny.demo import demo_model
 
@@ -159,13 +160,12 @@ class Progress:
     """
 
     def __init__(
-        self, style: str, *, unit: str = "step", echo: Callable[[StepState], None] | None = None,
-        stream: TextIO | None = None,
+        self, style: str, *, unit: str = "step", echo: Callable[[StepState], None] | None = None
     ) -> None:
         self.style = style
         self.unit = unit
         self.echo = echo
-        self.stream = stream or sys.stderr
+        self.stream = sys.stderr
         self.last: StepState | None = None
         self.started = time.monotonic()
 
@@ -198,10 +198,10 @@ class TextEcho:
     """Prints the generated text (batch row 0) to ``out`` as tokens arrive.
 
     Decoding is :class:`stopcock.stream.TextDecoder`'s: a character split across tokens is
-    printed whole once complete. ``out=None`` only follows the tokens.
+    printed whole once complete.
     """
 
-    def __init__(self, tokenizer: Any, prompt_length: int, out: TextIO | None) -> None:
+    def __init__(self, tokenizer: Any, prompt_length: int, out: TextIO) -> None:
         from .stream import TextDecoder
 
         self.decoder = TextDecoder(tokenizer)
@@ -214,13 +214,10 @@ class TextEcho:
             self.seen = state.input_ids.shape[1]
 
     def finish(self) -> None:
-        self._show(self.decoder.flush())
-        if self.out is not None:
-            self.out.write("\n")
-            self.out.flush()
+        self._show(self.decoder.flush() + "\n")
 
     def _show(self, text: str) -> None:
-        if self.out is not None and text:
+        if text:
             self.out.write(text)
             self.out.flush()
 
@@ -234,7 +231,7 @@ class CtrlC:
     block hooks to abort through, so the exception itself abandons the step in flight, wherever
     the main thread is (inside the model forward, or in the VAE decode); the adapters' cleanup
     runs on the way out. The CLI then reports mode "abort" with what the last finished step
-    produced (:meth:`RunTrace.abandoned`). Both presses write a line to stderr at once.
+    produced (:func:`abandoned`). Both presses write a line to stderr at once.
     """
 
     def __init__(self, stop: StopSignal) -> None:
@@ -253,6 +250,10 @@ class CtrlC:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[CtrlC]:
+        """Handle SIGINT while the block runs; a no-op off the main thread (Python delivers signals there)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
         previous = signal.signal(signal.SIGINT, self)
         try:
             yield self
@@ -367,13 +368,14 @@ def cmd_text(args: argparse.Namespace) -> int:
     model, tokenizer = load_text_model(model_spec)
     inputs = tokenizer(args.prompt, return_tensors="pt")
     prompt_length = inputs["input_ids"].shape[1]
-    echo = TextEcho(tokenizer, prompt_length, None if args.json else sys.stdout)
-    progress = Progress(_progress_style(args, echoing=not args.json), unit="token", echo=echo)
+    echo = None if args.json else TextEcho(tokenizer, prompt_length, sys.stdout)
+    progress = Progress(_progress_style(args, echoing=echo is not None), unit="token", echo=echo)
     outcome = run_interruptible(
         model, (), {**inputs, "max_new_tokens": args.max_new_tokens, "tokenizer": tokenizer},
         conditions=_conditions(args), mode=args.mode, progress=progress,
     )
-    echo.finish()
+    if echo is not None:
+        echo.finish()
     ids = outcome.output if outcome.output is not None else outcome.extra.get("input_ids")
     text = "" if ids is None else tokenizer.decode(ids[0, prompt_length:], skip_special_tokens=True)
     return report(outcome, {"command": "text", "model": model_spec, "text": text}, as_json=args.json,
@@ -463,7 +465,7 @@ _STEP = _number(int, 0, "an integer >= 0")
 def _add_common(p: argparse.ArgumentParser, model_kind: str) -> None:
     p.add_argument("--model", metavar="PATH_OR_ID",
                    help=f"a local folder or a hub id (default: the built-in demo {model_kind} model)")
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt", required=True, help="the prompt")
     p.add_argument("--timeout", type=_SECONDS, metavar="S", help="stop after S seconds")
     p.add_argument("--mode", choices=("finish", "abort"), default="finish",
                    help="finish: end at the next step with the partial result (default); abort: abandon "
@@ -492,7 +494,7 @@ def build_parser() -> argparse.ArgumentParser:
     text = sub.add_parser("text", help="generate text, streamed to stdout",
                           epilog=f"{_epilog()}\n\n{JSON_SCHEMA}", formatter_class=fmt)
     _add_common(text, "text")
-    text.add_argument("--max-new-tokens", type=_COUNT, default=100, metavar="N")
+    text.add_argument("--max-new-tokens", type=_COUNT, default=100, metavar="N", help="default 100")
     text.add_argument("--stop", nargs="+", metavar="STR", help="stop when the text contains one of these")
     text.add_argument("--max-steps", type=_STEP, metavar="N", help="stop after N tokens")
     text.set_defaults(func=cmd_text)

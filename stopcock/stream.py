@@ -15,13 +15,13 @@ stable names:
   (do not modify it); ``preview`` is a PIL image when ``preview=`` asks for one.
 - :class:`Done` ``(outcome)``: always the last event of a run that returned.
 
-Leaving early, by ``break`` (the iterator is dropped), ``close()``, ``with`` or garbage
-collection, stops the run at its next step with reason ``"cancelled"`` and (for ``close()``)
-waits until it has. ``stop(reason)`` stops it too but keeps the stream open, so the text made
-before the stop and the final :class:`Done` still arrive. An exception inside the run is raised to
-the consumer after the events before it. The buffer between the worker and the consumer holds at
-most ``buffer`` events: a slow consumer holds the worker in its step (a consumer that goes away
-releases it).
+Leaving early, by ``break`` (the iterator is dropped), ``close()`` or ``with``, stops the run at
+its next step with reason ``"cancelled"`` and waits until it has; a stream left to the cyclic
+garbage collector is stopped without waiting. ``stop(reason)`` stops the run but keeps the
+stream open, so the text made before the stop and the final :class:`Done` still arrive. An
+exception inside the run is raised to the consumer after the events before it. The buffer between
+the worker and the consumer holds at most ``buffer`` events: a slow consumer holds the worker in
+its step (a consumer that goes away releases it).
 """
 
 from __future__ import annotations
@@ -325,17 +325,17 @@ class Channel:
     def get(self) -> Event:
         """The next event, blocking until there is one; StopIteration at the end."""
         with self._cond:
-            self._cond.wait_for(lambda: self._items or self.finished)
+            self._cond.wait_for(self.ready)
             return self._take()
 
     def ready(self) -> bool:
         """Whether :meth:`get_nowait` has something to return (an event or the end)."""
-        return bool(self._items) or self.finished
+        return bool(self._items) or self.finished or self._abandoned
 
     def get_nowait(self) -> Event | None:
         """The next event, or None if there is none yet; StopIteration at the end."""
         with self._cond:
-            return self._take() if self._items or self.finished else None
+            return self._take() if self.ready() else None
 
     def _take(self) -> Event:
         if self._items:
@@ -429,19 +429,20 @@ def make_events(
     """The event maker for a stream of ``target``; bad streaming options raise here."""
     if isinstance(preview_every, bool) or not isinstance(preview_every, int) or preview_every < 1:
         raise ValueError(f"preview_every must be an int >= 1, got {preview_every!r}")
-    if tokenizer is not None:
-        kwargs["tokenizer"] = tokenizer  # generate() takes it too (stop strings)
-    else:
-        tokenizer = getattr(target, "tokenizer", None)
-    if hasattr(target, "generate"):
+    if hasattr(target, "generate"):  # a model: generate() takes the tokenizer too (stop strings)
+        if tokenizer is not None:
+            kwargs["tokenizer"] = tokenizer
+        tokenizer = kwargs.get("tokenizer")
         if tokenizer is None:
             raise ValueError(
                 "stream() decodes the generated text with a tokenizer: pass"
                 " tokenizer=AutoTokenizer.from_pretrained(...) with a model target"
             )
         _refuse_beams(kwargs, getattr(target, "generation_config", None))
-    elif hasattr(getattr(target, "model", None), "generate"):  # a transformers pipeline
-        _refuse_beams(kwargs, getattr(target.model, "generation_config", None))
+    else:  # a pipeline: its own tokenizer unless one is given for decoding
+        tokenizer = tokenizer if tokenizer is not None else getattr(target, "tokenizer", None)
+        if hasattr(getattr(target, "model", None), "generate"):
+            _refuse_beams(kwargs, getattr(target.model, "generation_config", None))
     return _Events(tokenizer, _previewer(target, preview), preview_every)
 
 

@@ -70,9 +70,11 @@ def call(request):
 
 def _clean(target) -> bool:
     """No hooks left on any model of the target, and diffusers' interrupt flag reset."""
-    models = [target] if isinstance(target, torch.nn.Module) else [
-        c for c in target.components.values() if isinstance(c, torch.nn.Module)
-    ]
+    models = (
+        [target]
+        if isinstance(target, torch.nn.Module)
+        else [c for c in target.components.values() if isinstance(c, torch.nn.Module)]
+    )
     hooks = any(m._forward_pre_hooks or m._forward_hooks for model in models for m in model.modules())
     return not hooks and not getattr(target, "_interrupt", False)
 
@@ -212,3 +214,18 @@ async def test_anyio_cancel_scope_around_arun(text_call):
             finished = True
     assert scope.cancelled_caught and not finished
     assert pause.worker_ended() and pause.steps == [1, 2, 3]
+
+
+async def test_a_second_cancellation_does_not_cut_the_wait_short(text_call):
+    (target,), kwargs = text_call
+    pause = Pause(at=2)
+    task = asyncio.create_task(stopcock.arun(target, on_step=pause, **kwargs))
+    await pause.reached.wait_async()
+    for _ in range(2):
+        task.cancel()
+        await asyncio.sleep(0)  # one pass of the loop: the task handles its cancellation
+    assert not task.done()  # still waiting for the held worker
+    pause.release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert pause.steps == [1, 2, 3] and pause.worker_ended()

@@ -44,7 +44,12 @@ def make_app(model, tokenizer, pause: Pause, streams: list) -> FastAPI:
     async def generate(prompt: str, max_new_tokens: int = 200) -> StreamingResponse:
         inputs = tokenizer([prompt], return_tensors="pt")
         events = stopcock.astream(
-            model, **inputs, tokenizer=tokenizer, max_new_tokens=max_new_tokens, do_sample=False, on_step=pause
+            model,
+            **inputs,
+            tokenizer=tokenizer,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            on_step=pause,
         )
         events.signal.on_stop(pause.release.set)  # the held worker goes on once the stop is requested
         streams.append(events)
@@ -81,7 +86,10 @@ def serving(app: FastAPI):
 def test_client_disconnect_stops_the_run_within_one_step(text_model, tokenizer):
     torch.set_num_threads(1)
     pause, streams = Pause(at=5), []
-    with serving(make_app(text_model, tokenizer, pause, streams)) as url, httpx.Client(timeout=BOUND) as client:
+    with (
+        serving(make_app(text_model, tokenizer, pause, streams)) as url,
+        httpx.Client(timeout=BOUND) as client,
+    ):
         with client.stream("GET", f"{url}/generate", params={"prompt": "Hello"}) as response:
             assert response.status_code == 200
             chunks = response.iter_raw()  # kept: dropping this generator would close the response
@@ -107,7 +115,10 @@ def test_client_disconnect_stops_the_run_within_one_step(text_model, tokenizer):
 @pytest.mark.parametrize("step", [1, 3])
 def test_disconnect_at_other_steps(text_model, tokenizer, step):
     pause, streams = Pause(at=step), []
-    with serving(make_app(text_model, tokenizer, pause, streams)) as url, httpx.Client(timeout=BOUND) as client:
+    with (
+        serving(make_app(text_model, tokenizer, pause, streams)) as url,
+        httpx.Client(timeout=BOUND) as client,
+    ):
         with client.stream("GET", f"{url}/generate", params={"prompt": "Hello"}) as response:
             assert response.status_code == 200
             assert pause.reached.wait(BOUND)

@@ -14,6 +14,7 @@ import numpy as np
 import PIL.Image
 import pytest
 import torch
+from diffusers import DiffusionPipeline
 
 import stopcock
 from stopcock.tiny import image as tiny
@@ -152,3 +153,38 @@ def test_a_stop_in_the_second_stage_of_a_combined_pipeline(count_forwards):
     assert counts[prior] == 3 and counts[unet] == 2  # one (guidance-batched) call per step
     # The total is learnt stage by stage: the prior's 3 steps, then 3 + the decoder's 4.
     assert [s.total for s in states] == [3, 3, 3, 7, 7]
+
+
+class TwoStreams(DiffusionPipeline):
+    """An unknown, home-made pipeline: two schedulers step side by side in one loop, no callbacks."""
+
+    def __init__(self, unet, scheduler, scheduler_2):
+        super().__init__()
+        self.register_modules(unet=unet, scheduler=scheduler, scheduler_2=scheduler_2)
+
+    @torch.no_grad()
+    def __call__(self, num_inference_steps=4, generator=None):
+        shape = (1, 3, 16, 16)
+        a, b = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+        self.scheduler.set_timesteps(num_inference_steps)
+        self.scheduler_2.set_timesteps(num_inference_steps)
+        for t in self.scheduler.timesteps:
+            a = self.scheduler.step(self.unet(a, t).sample, t, a, generator=generator).prev_sample
+            b = self.scheduler_2.step(self.unet(b, t).sample, t, b, generator=generator).prev_sample
+        return a, b
+
+
+@pytest.mark.parametrize("mode", ["finish", "abort"])
+def test_an_unknown_pipeline_with_two_schedulers_in_one_loop(count_forwards, mode):
+    from diffusers import DDPMScheduler
+
+    pipe = TwoStreams(tiny.ddpm_pipeline().unet, DDPMScheduler(), DDPMScheduler())
+    generator = torch.Generator().manual_seed(0)
+    full = stopcock.run(pipe, num_inference_steps=4, generator=generator)
+    assert full.steps == full.total_steps == 4 and not full.stopped
+    calls = count_forwards(pipe.unet)
+    stop = stopcock.max_steps(2)
+    outcome = stopcock.run(pipe, num_inference_steps=4, generator=generator, stop=stop, mode=mode)
+    assert outcome.steps == 2 and outcome.mode == "abort" and outcome.output is None
+    assert calls[pipe.unet] == 3  # both streams' first step, then the first stream's second one
+    assert (mode == "finish") == ("cannot finish early" in (outcome.detail or ""))

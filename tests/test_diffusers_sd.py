@@ -217,8 +217,12 @@ def test_step_callback_stops_a_pipeline_that_honours_interrupt(sd, count_forward
         seen.append(sorted(kw))
         return kw
 
-    out = sd(**kwargs(callback_on_step_end=stopcock.step_callback(stopcock.max_steps(3), mine),
+    states = []
+    callback = stopcock.step_callback(stopcock.max_steps(3), mine, on_step=states.append)
+    out = sd(**kwargs(callback_on_step_end=callback,
                       callback_on_step_end_tensor_inputs=["latents", "prompt_embeds"]))
+    assert [(s.step, s.total) for s in states] == [(1, STEPS), (2, STEPS), (3, STEPS)]
+    assert states[-1].latents is not None
     assert out.images.shape == (1, 64, 64, 3) and calls[sd.unet] == 3
     assert seen == [["latents", "prompt_embeds"]] * 3
     # As with diffusers' own interrupt, the flag stays up until the pipeline's next call resets it.
@@ -310,3 +314,14 @@ def test_a_copy_of_a_wrapped_scheduler_steps_itself(sd):
         assert "step" in vars(sd.scheduler)
     assert copied.step.__self__ is copied
     assert_clean(sd)
+
+
+def test_the_guard_lets_a_pipeline_take_its_own_generate_named_arguments():
+    from diffusers import AudioLDM2Pipeline
+
+    from stopcock.adapters.diffusers import _reject_generate_args
+
+    audioldm2 = object.__new__(AudioLDM2Pipeline)  # the class is what matters: it declares max_new_tokens
+    _reject_generate_args(audioldm2, {"max_new_tokens": 8})
+    with pytest.raises(TypeError, match="stopping_criteria"):
+        _reject_generate_args(audioldm2, {"stopping_criteria": []})

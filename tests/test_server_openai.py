@@ -109,7 +109,7 @@ def test_bad_requests_are_4xx_errors_the_client_understands(client):
 def test_a_streaming_client_that_disconnects_stops_its_generation(server):
     url, engine = server
     headers = {"Authorization": f"Bearer {KEY}"}
-    body = {"model": "tiny-text", "prompt": "Once", "max_tokens": 1000, "stream": True}
+    body = {"model": "tiny-text", "prompt": "Once", "max_tokens": 1000, "stream": True, "temperature": 0}
     with httpx.Client(base_url=url, headers=headers, timeout=60) as http:
         with http.stream("POST", "/v1/completions", json=body) as response:
             lines = response.iter_lines()
@@ -127,7 +127,9 @@ def test_a_streaming_client_that_disconnects_stops_its_generation(server):
 
 def test_the_job_api_stops_an_openai_request(server, client):
     url, _ = server
-    stream = client.completions.create(model="tiny-text", prompt="Once", max_tokens=1000, stream=True)
+    stream = client.completions.create(
+        model="tiny-text", prompt="Once", max_tokens=1000, stream=True, temperature=0
+    )
     first = next(iter(stream))
     job = first.id.removeprefix("cmpl-")
     stopped = httpx.post(f"{url}/v1/jobs/{job}/stop", headers={"Authorization": f"Bearer {KEY}"}).json()
@@ -157,3 +159,21 @@ def test_finish_reasons():
         finish_reason(r, False) for r in ("eos", "stop_string", "user", "length", "timeout", "max_steps")
     ] == ["stop", "stop", "stop", "length", "length", "length"]
     assert finish_reason("length", True) == "stop"
+
+
+def test_a_non_streaming_client_that_gives_up_stops_its_generation(server):
+    url, _ = server
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {
+        "model": "tiny-text",
+        "prompt": "Once",
+        "max_tokens": 1000,
+        "temperature": 0,
+    }  # greedy: no early eos
+    with httpx.Client(base_url=url, headers=headers, timeout=60) as http:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up long before the job could finish
+            http.post("/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
+        job = http.get("/v1/jobs", params={"limit": 1}).json()["data"][0]["id"]
+        with http.stream("GET", f"/v1/jobs/{job}/events") as events:
+            done = next(e for e in sse_data(events.iter_lines()) if e["type"] == "done")
+    assert (done["state"], done["reason"]) == ("stopped", "disconnected") and done["step"] < 1000

@@ -39,7 +39,12 @@ def test_steps_then_done(image_pipe):
 def test_latent_preview_every_step(image_pipe):
     events = list(
         stopcock.stream(
-            image_pipe, "a cat", num_inference_steps=3, num_images_per_prompt=2, generator=_seed(), preview="latent"
+            image_pipe,
+            "a cat",
+            num_inference_steps=3,
+            num_images_per_prompt=2,
+            generator=_seed(),
+            preview="latent",
         )
     )
     steps = [e for e in events if isinstance(e, Step)]
@@ -87,7 +92,9 @@ def test_break_stops_within_one_step_and_waits(image_pipe, mode):
             reached.set()
             assert release.wait(BOUND)
 
-    s = stopcock.stream(image_pipe, "a cat", num_inference_steps=50, generator=_seed(), mode=mode, on_step=on_step)
+    s = stopcock.stream(
+        image_pipe, "a cat", num_inference_steps=50, generator=_seed(), mode=mode, on_step=on_step
+    )
     s.signal.on_stop(release.set)  # the held worker goes on once the stop is requested
     for _event in s:
         assert reached.wait(BOUND)
@@ -132,7 +139,12 @@ def test_exception_reaches_the_consumer(image_pipe):
 def test_bounded_buffer_holds_the_worker(image_pipe):
     steps = []
     s = stopcock.stream(
-        image_pipe, "a cat", num_inference_steps=8, generator=_seed(), buffer=2, on_step=lambda st: steps.append(st.step)
+        image_pipe,
+        "a cat",
+        num_inference_steps=8,
+        generator=_seed(),
+        buffer=2,
+        on_step=lambda st: steps.append(st.step),
     )
     assert s._channel.stalled.wait(BOUND)
     # two steps wait in the buffer; the third waits for room, before its on_step

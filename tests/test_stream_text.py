@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import random
 import threading
 import weakref
 
@@ -75,9 +76,37 @@ def test_decoder_flush_gives_an_incomplete_tail_as_decoded(tokenizer):
     assert decoder.flush() == tokenizer.decode(ids)[len("ok ") :] != ""
 
 
+def _metaspace_tokenizer():
+    """A SentencePiece-style tokenizer (Metaspace spaces, byte fallback), built in memory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace()])
+    special = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    corpus = ["Hello world, spaces come first here.", "Zürich 東京 café naïve 😀 emoji"] * 10
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=special))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "metaspace"])
+def test_decoder_chunks_always_join_to_the_decoded_text(tokenizer, kind):
+    tok = tokenizer if kind == "byte-level" else _metaspace_tokenizer()
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 30))]
+        decoder = TextDecoder(tok)
+        chunks = [decoder.push([i]) for i in ids]
+        assert not any(c.endswith("\ufffd") for c in chunks)  # incomplete characters are held back
+        assert "".join(chunks) + decoder.flush() == tok.decode(ids, skip_special_tokens=True)
+
+
 def test_model_stream_rows_match_the_output(text_model, tokenizer):
     inputs = _prompt(tokenizer, ["Hello world", "Unicode: caf"])
-    events = list(stopcock.stream(text_model, **inputs, tokenizer=tokenizer, max_new_tokens=24, do_sample=False))
+    events = list(
+        stopcock.stream(text_model, **inputs, tokenizer=tokenizer, max_new_tokens=24, do_sample=False)
+    )
     assert isinstance(events[-1], Done) and not any(isinstance(e, Done) for e in events[:-1])
     outcome = events[-1].outcome
     assert outcome.steps == 24 and outcome.reason == "length"
@@ -113,7 +142,9 @@ def test_stop_keeps_streaming_to_done(text_model, tokenizer):
 def test_user_stop_and_conditions_compose(text_model, tokenizer):
     inputs = _prompt(tokenizer, ["Hello"])
     events = list(
-        stopcock.stream(text_model, **inputs, tokenizer=tokenizer, stop=stopcock.max_steps(5), max_new_tokens=50)
+        stopcock.stream(
+            text_model, **inputs, tokenizer=tokenizer, stop=stopcock.max_steps(5), max_new_tokens=50
+        )
     )
     assert events[-1].outcome.reason == "max_steps" and events[-1].outcome.steps == 5
 
@@ -129,7 +160,9 @@ def test_break_stops_the_run_and_waits_for_it(text_model, tokenizer, mode):
     on_step, steps, workers, reached, release = _pausing_on_step(at=4)
     inputs = _prompt(tokenizer, ["Hello"])
     for _event in released_on_stop(
-        stopcock.stream(text_model, **inputs, tokenizer=tokenizer, max_new_tokens=200, mode=mode, on_step=on_step),
+        stopcock.stream(
+            text_model, **inputs, tokenizer=tokenizer, max_new_tokens=200, mode=mode, on_step=on_step
+        ),
         release,
     ):
         assert reached.wait(BOUND)
@@ -218,3 +251,20 @@ def test_bad_arguments_raise_before_the_run(text_model, tokenizer, text_pipe):
     with pytest.raises(stopcock.UnsupportedTarget):
         stopcock.stream(object())
     assert not [t for t in threading.enumerate() if t.name.startswith("stopcock-worker")]
+
+
+def test_close_from_another_thread_ends_a_waiting_consumer(text_model, tokenizer):
+    on_step, steps, workers, reached, release = _pausing_on_step(at=2)
+    s = stopcock.stream(
+        text_model, **_prompt(tokenizer, ["Hello"]), tokenizer=tokenizer, max_new_tokens=200, on_step=on_step
+    )
+    s.signal.on_stop(release.set)
+    received: list = []
+    consumer = threading.Thread(target=lambda: received.extend(s))
+    consumer.start()
+    assert reached.wait(BOUND)
+    s.close()
+    consumer.join(BOUND)
+    assert not consumer.is_alive() and not workers[0].is_alive()
+    assert not any(isinstance(e, Done) for e in received) and s.outcome.reason == "cancelled"
+    assert steps == [1, 2, 3] and s.outcome.steps == 3

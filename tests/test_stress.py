@@ -15,6 +15,7 @@ from stopcock.hooks import find_blocks
 RUNS = 300
 NEW = 16
 MOMENTS = ("before", "prefill", "mid", "end")
+BOUND = 60  # seconds; only a bound on a hang, never reached by a working run
 
 
 @pytest.fixture(autouse=True)
@@ -22,68 +23,64 @@ def _one_thread():
     torch.set_num_threads(1)
 
 
+def run_once(model, batch, *, moment: str, mode: str, stop_step: int, reason: str):
+    """One generation; another thread stops it at ``moment``. Returns (outcome, signal, step times)."""
+    signal, trigger = stopcock.StopSignal(), threading.Event()
+    step_times: dict[int, float] = {}
+    result: dict[str, stopcock.Outcome] = {}
+
+    def stopper() -> None:
+        trigger.wait()
+        signal.stop(reason)
+
+    def on_step(state) -> None:
+        step_times[state.step] = time.monotonic()
+        if moment == "mid" and state.step == stop_step:
+            trigger.set()
+
+    def in_prefill(module, args) -> None:
+        if moment == "prefill" and not step_times:
+            trigger.set()
+
+    def generate() -> None:
+        result["outcome"] = stopcock.run(
+            model, **batch, max_new_tokens=NEW, do_sample=False, stop=signal, mode=mode, on_step=on_step
+        )
+
+    thread = threading.Thread(target=stopper)
+    thread.start()
+    if moment == "before":
+        trigger.set()
+        thread.join()
+    hook = find_blocks(model)[0].register_forward_pre_hook(in_prefill)
+    worker = threading.Thread(target=generate)
+    try:
+        worker.start()
+        worker.join(BOUND)
+        assert not worker.is_alive(), f"a run ({moment}, {mode}) hangs"
+    finally:
+        hook.remove()
+    trigger.set()  # "end": the stop comes after the run returned; a no-op for the other moments
+    thread.join(BOUND)
+    assert not thread.is_alive()
+    return result["outcome"], signal, step_times
+
+
 def test_random_stops_from_other_threads(text_model, tokenizer):
     rng = random.Random(1234)
     prompts = tokenizer(["Hello world", "The quick brown fox jumps over"], return_tensors="pt", padding=True)
     prompt_len = prompts["input_ids"].shape[1]
-    first_block = find_blocks(text_model)[0]
-    seen_moments = set()
+    seen = set()
 
     for i in range(RUNS):
-        moment, mode = rng.choice(MOMENTS), rng.choice(("finish", "abort"))
-        rows = rng.choice((1, 2))
+        moment, mode, rows = rng.choice(MOMENTS), rng.choice(("finish", "abort")), rng.choice((1, 2))
         batch = {k: v[:rows] for k, v in prompts.items()}
-        stop_step = rng.randint(1, NEW)
-        signal, trigger = stopcock.StopSignal(), threading.Event()
-        step_times: dict[int, float] = {}
-        result: dict[str, stopcock.Outcome] = {}
+        outcome, signal, step_times = run_once(
+            text_model, batch, moment=moment, mode=mode, stop_step=rng.randint(1, NEW), reason=f"stop-{i}"
+        )
+        seen.add((moment, outcome.stopped))
 
-        def stopper(signal=signal, trigger=trigger, i=i) -> None:
-            trigger.wait()
-            signal.stop(f"stop-{i}")
-
-        def on_step(
-            state, trigger=trigger, step_times=step_times, moment=moment, stop_step=stop_step
-        ) -> None:
-            step_times[state.step] = time.monotonic()
-            if moment == "mid" and state.step == stop_step:
-                trigger.set()
-
-        def in_prefill(module, args, trigger=trigger, moment=moment, step_times=step_times) -> None:
-            if moment == "prefill" and not step_times:
-                trigger.set()
-
-        def generate(batch=batch, signal=signal, mode=mode, on_step=on_step, result=result) -> None:
-            result["outcome"] = stopcock.run(
-                text_model,
-                **batch,
-                max_new_tokens=NEW,
-                do_sample=False,
-                stop=signal,
-                mode=mode,
-                on_step=on_step,
-            )
-
-        thread = threading.Thread(target=stopper)
-        thread.start()
-        if moment == "before":
-            trigger.set()
-            thread.join()
-        hook = first_block.register_forward_pre_hook(in_prefill)
-        worker = threading.Thread(target=generate)
-        try:
-            worker.start()
-            worker.join(60)
-            assert not worker.is_alive(), f"run {i} ({moment}, {mode}) hangs"
-        finally:
-            hook.remove()
-        trigger.set()  # "end": the stop comes after the run; a no-op for the others
-        thread.join(60)
-        assert not thread.is_alive()
-        outcome = result["outcome"]
-        seen_moments.add((moment, outcome.stopped))
-
-        # every Outcome is consistent
+        # every Outcome is consistent with the output and with when the stop came
         assert outcome.steps == len(step_times) <= NEW
         output = outcome.output
         assert output.shape[0] == rows and output.shape[1] == prompt_len + outcome.steps
@@ -107,5 +104,5 @@ def test_random_stops_from_other_threads(text_model, tokenizer):
             assert outcome.stopped and outcome.steps <= min(later) + 1
 
     assert [h for m in text_model.modules() for h in m._forward_pre_hooks.values()] == []
-    assert {("before", True), ("mid", True), ("end", False)} <= seen_moments
-    assert any(moment == "prefill" for moment, _ in seen_moments)
+    assert {("before", True), ("mid", True), ("end", False)} <= seen
+    assert any(moment == "prefill" for moment, _ in seen)

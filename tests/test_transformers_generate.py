@@ -322,3 +322,37 @@ def test_diy_stopping_criteria(text_model, tokenizer, batch):
     out = greedy(text_model, batch, stopping_criteria=criteria)
     assert tokenizer.decode(out[1, prompt_len:], skip_special_tokens=True) == "xxxxxxxxx do"
     assert torch.equal(out[0], greedy(text_model, batch)[0])
+
+
+@pytest.fixture(scope="module")
+def seq2seq(tokenizer):
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    torch.manual_seed(0)
+    sizes = {"d_model": 16, "encoder_ffn_dim": 16, "decoder_ffn_dim": 16}
+    layers = {
+        "encoder_layers": 2,
+        "decoder_layers": 2,
+        "encoder_attention_heads": 2,
+        "decoder_attention_heads": 2,
+    }
+    ids = {
+        "bos_token_id": tokenizer.bos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "decoder_start_token_id": tokenizer.eos_token_id,
+        "forced_eos_token_id": None,
+    }
+    config = BartConfig(vocab_size=len(tokenizer), **sizes, **layers, **ids)
+    return BartForConditionalGeneration(config).eval()
+
+
+def test_encoder_decoder(seq2seq, batch):
+    full = seq2seq.generate(**batch, max_new_tokens=10, do_sample=False)
+    outcome = stopcock.run(seq2seq, **batch, max_new_tokens=10, do_sample=False, stop=stopcock.max_steps(3))
+    assert (outcome.reason, outcome.steps, outcome.total_steps) == ("max_steps", 3, 10)
+    assert torch.equal(outcome.output, full[:, :4])  # the decoder start token, then 3 tokens
+    signal = stopcock.StopSignal()
+    signal.stop()
+    early = stopcock.run(seq2seq, **batch, max_new_tokens=10, stop=signal, mode="abort")
+    assert (early.stopped, early.steps, early.output.shape) == (True, 0, (2, 0))  # nothing decoded yet

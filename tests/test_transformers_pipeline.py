@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList, pipeline
+from transformers.pipelines.pt_utils import KeyDataset
 
 import stopcock
 
@@ -196,6 +197,10 @@ def test_feature_extraction_completes_and_single_input(features):
     outcome = stopcock.run(features, TEXTS[:3], stop=stopcock.max_steps(10))
     assert (outcome.stopped, outcome.reason, outcome.steps) == (False, "completed", 3)
     assert outcome.output == features(TEXTS[:3])
+    dataset = KeyDataset([{"text": t} for t in TEXTS[:3]], "text")
+    from_dataset = stopcock.run(features, dataset, stop=stopcock.max_steps(2))
+    assert (from_dataset.reason, from_dataset.steps, from_dataset.total_steps) == ("max_steps", 2, 3)
+    assert from_dataset.output == outcome.output[:2]
     single = stopcock.run(features, TEXTS[0])
     assert (single.steps, single.output) == (1, features(TEXTS[0]))
 

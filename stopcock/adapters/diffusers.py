@@ -7,6 +7,8 @@ How a run is bound (one mechanism for every pipeline kind):
   whatever its callback API, so this counts steps where classifier-free guidance batching or separate
   conditional/unconditional denoiser calls would make counting denoiser forwards wrong. It also sees
   the latents and the scheduler's estimate of the clean sample (x0), used for ``partial="denoised"``.
+  Stages (a combined pipeline's prior, then decoder) add up; a second scheduler stepped within the
+  same loop is not counted twice.
 - **Finish** (pipelines listed in ``diffusers_interrupt.txt``, which check ``self.interrupt`` at every
   step): at the boundary where the stop is seen, set the pipeline's own ``_interrupt`` flag. This
   happens inside the call, after the pipeline reset the flag, so it cannot be lost; the loop skips
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -151,7 +154,6 @@ class _StepWrapper:
         # Pipelines inspect step()'s parameters to decide whether to pass generator= and eta=.
         self.__signature__ = inspect.signature(self.original)
         self.owner = threading.get_ident()
-        self.started = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         result = self.original(*args, **kwargs)
@@ -160,9 +162,6 @@ class _StepWrapper:
         model_output = kwargs["model_output"] if "model_output" in kwargs else args[0]
         timestep = kwargs["timestep"] if "timestep" in kwargs else args[1]
         sample = kwargs["sample"] if "sample" in kwargs else args[2]
-        if not self.started:
-            self.started = True
-            self.binding.stage_started(self.scheduler, timestep)
         return self.binding.step_done(self.scheduler, model_output, timestep, sample, result)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
@@ -194,6 +193,9 @@ class _Binding:
         self.latents: Any = None
         self.denoised: Any = None
         self.latents_kind: str | None = None  # "raw" or "denoised": what self.latents holds at a stop
+        self.stepping: Any = None  # the scheduler whose steps are counted (the current stage's)
+        self.stage_end = math.inf  # the step count at which the current stage ends, when known
+        self.streams: list[Any] = []  # schedulers seen stepping beside the counted one
         self.notes: list[str] = []
         self._stack = ExitStack()
 
@@ -266,12 +268,19 @@ class _Binding:
             raise Abort(self.control)
 
     # events from the wrapped scheduler.step
-    def stage_started(self, scheduler: Any, timestep: Any) -> None:
-        remaining = _remaining_steps(scheduler, timestep)
-        if remaining is not None:
-            self.control.total = self.control.steps + remaining
-
     def step_done(self, scheduler: Any, model_output: Any, timestep: Any, sample: Any, result: Any) -> Any:
+        if scheduler is not self.stepping:
+            in_stage = self.stepping is not None and self.control.steps < self.stage_end
+            if in_stage or scheduler in self.streams:
+                # A second stream stepped in the same loop (e.g. RFD4Proteina's): not a step of its own.
+                if scheduler not in self.streams:
+                    self.streams.append(scheduler)
+                return result
+            # A new stage (a combined pipeline's decoder after its prior): its steps add up.
+            self.stepping = scheduler
+            remaining = _remaining_steps(scheduler, timestep)
+            if remaining is not None:
+                self.stage_end = self.control.total = self.control.steps + remaining
         self.latents = result[0]
         self.denoised = _denoised(scheduler, model_output, sample, result)
         extra = {"denoised": self.denoised} if self.denoised is not None else {}
@@ -330,7 +339,9 @@ def _free_model_hooks(pipe: Any) -> None:
 
 
 def _reject_generate_args(pipe: Any, kwargs: dict[str, Any]) -> None:
-    wrong = sorted(GENERATE_ONLY & kwargs.keys())
+    """Refuse generate() arguments the pipeline does not declare (AudioLDM2 has its own max_new_tokens)."""
+    declared = _declared_inputs(type(pipe), getattr(pipe, "blocks", None))
+    wrong = sorted((GENERATE_ONLY & kwargs.keys()) - declared)
     if wrong:
         raise TypeError(
             f"{', '.join(wrong)} {'is a' if len(wrong) == 1 else 'are'} transformers generate() argument(s);"
@@ -338,6 +349,12 @@ def _reject_generate_args(pipe: Any, kwargs: dict[str, Any]) -> None:
             " stop=... to stopcock.run() (a StopSignal, timeout(), deadline(), max_steps(), when()),"
             " or use stopcock.attach(pipe, stop) / callback_on_step_end=stopcock.step_callback(stop)"
         )
+
+
+def _declared_inputs(cls: type, blocks: Any) -> set[str]:
+    """The inputs a pipeline names: its ``__call__`` parameters, or a modular pipeline's block inputs."""
+    declared = set(inspect.signature(cls.__call__).parameters)
+    return declared | set(getattr(blocks, "input_names", ()))
 
 
 def _planned_steps(kwargs: dict[str, Any]) -> int | None:
@@ -417,9 +434,13 @@ class _StepStopper:
     def __init__(
         self,
         stop: object,
-        callback: Callable[..., Any] | None,
         on_step: Callable[[StepState], object] | None,
+        callback: Callable[..., Any] | None = None,
     ) -> None:
+        if callback is not None and not callable(callback):
+            raise TypeError(
+                f"callback must be a function, PipelineCallback or MultiPipelineCallbacks, got {callback!r}"
+            )
         self.control = RunControl(stop, on_step=on_step)
         self.callback = callback
 
@@ -432,6 +453,7 @@ class _StepStopper:
                     f" {self.callback!r} returned {type(callback_kwargs).__name__}"
                 )
         latents = callback_kwargs.get("latents")
+        self.control.total = getattr(pipeline, "_num_timesteps", None)  # set by most loops before they start
         if self.control.step(steps=step_index + 1, latents=latents, timestep=timestep):
             if not honours_interrupt(pipeline):
                 raise TypeError(
@@ -473,17 +495,10 @@ def step_callback(
     call until the next call resets it. Only for pipelines that honour interrupt; others raise a
     TypeError at the stop (use :func:`attach` or ``stopcock.run`` for them).
     """
-    stopper = _StepStopper(stop, None, on_step)
-    if isinstance(callback, MultiPipelineCallbacks):
-        return MultiPipelineCallbacks([*callback.callbacks, _StopperCallback(stopper)])
-    if isinstance(callback, PipelineCallback):
-        return MultiPipelineCallbacks([callback, _StopperCallback(stopper)])
-    if callback is not None and not callable(callback):
-        raise TypeError(
-            f"callback must be a function, PipelineCallback or MultiPipelineCallbacks, got {callback!r}"
-        )
-    stopper.callback = callback
-    return stopper
+    if isinstance(callback, (PipelineCallback, MultiPipelineCallbacks)):
+        theirs = callback.callbacks if isinstance(callback, MultiPipelineCallbacks) else [callback]
+        return MultiPipelineCallbacks([*theirs, _StopperCallback(_StepStopper(stop, on_step))])
+    return _StepStopper(stop, on_step, callback)
 
 
 def guard(pipe: Any) -> Any:

@@ -16,7 +16,6 @@ stop between items (or batches), keeping the results done so far.
 from __future__ import annotations
 
 import time
-import types
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -87,10 +86,15 @@ class _RunCriteria(StoppingCriteria):
         self.row_reasons: list[str] = []
 
     def start(self) -> None:
-        """A new generate call begins: close the previous one's rows."""
+        """A new generate call begins: close the previous one's rows (for pipelines).
+
+        In beam search the rows seen are candidates, not the rows generate returns, so a pipeline
+        running beam search reports no row reasons.
+        """
         if self.calls:
             assert self.last_ids is not None
-            self.row_reasons += self.reasons(self.last_ids)
+            if self.rows_per_item == 1:
+                self.row_reasons += self.reasons(self.last_ids)
             self.base += self.calls
         self.calls, self.last_ids = 0, None
 
@@ -241,8 +245,9 @@ def stopping_criteria(stop: object, tokenizer: Any = None) -> StoppingCriteriaLi
 
     For people who call transformers themselves: ``model.generate(..., stopping_criteria=
     stopcock.stopping_criteria(signal | stopcock.timeout(5)))``. Time conditions count from this
-    call, so build one list per generation. ``stop_strings`` need ``tokenizer``. Add it to your own
-    criteria with ``+`` or ``extend``; it never replaces a built-in.
+    call, so build one list per generation. ``stop_strings`` need ``tokenizer`` (in beam search
+    each candidate row meets them on its own). Add it to your own criteria with ``+`` or
+    ``extend``; it never replaces a built-in.
     """
     return StoppingCriteriaList([_make_criteria(RunControl(stop), tokenizer, None)])
 
@@ -339,7 +344,7 @@ def _many(inputs: Any) -> tuple[Iterable[Any], int | None] | None:
         if isinstance(first, dict) and "role" in first:  # one chat, not several inputs
             return None
         return inputs, len(inputs)
-    if isinstance(inputs, (Iterator, types.GeneratorType)):
+    if isinstance(inputs, Iterator):
         return inputs, None
     if (
         hasattr(inputs, "__len__")
@@ -372,11 +377,10 @@ def _run_pipeline(
     pipe: Pipeline, args: tuple[Any, ...], kwargs: dict[str, Any], control: RunControl
 ) -> Outcome:
     criteria, kwargs = _pipeline_criteria(pipe, kwargs, control)
-    generating = criteria is not None
     if kwargs.get("num_workers"):
         raise ValueError("stopcock feeds the pipeline its inputs in this process: drop num_workers=")
-    many = _many(args[0]) if args else None
     streamer = kwargs.get("streamer", getattr(pipe, "_forward_params", {}).get("streamer"))
+    many = _many(args[0]) if args else None
     count = many[1] if many else 1
     if criteria is None:
         control.total = count
@@ -384,33 +388,33 @@ def _run_pipeline(
         control.total = criteria.max_new_tokens * count
 
     results: list[Any] = []
-    output: Any = results
-    if control.check():
-        aborted = False
-    elif many is None:
+
+    def one() -> None:
         if criteria is not None:
             criteria.start()
-        output, aborted = _guarded(control, pipe.model, lambda: pipe(*args, **kwargs), streamer)
-        if not generating and not aborted:
+        results.append(pipe(*args, **kwargs))
+        if criteria is None:
             control.step(1)
-        output = [] if aborted else output
-    else:
 
-        def feed() -> Iterator[Any]:
-            for item in many[0]:
-                if control.check():
-                    return
-                if criteria is not None:
-                    criteria.start()
-                yield item
+    def feed(items: Iterable[Any]) -> Iterator[Any]:
+        for item in items:
+            if control.check():
+                return
+            if criteria is not None:
+                criteria.start()
+            yield item
 
-        def consume() -> None:
-            for result in pipe(feed(), *args[1:], **kwargs):
-                results.append(result)
-                if not generating:
-                    control.step(len(results))
+    def each() -> None:
+        assert many is not None
+        for result in pipe(feed(many[0]), *args[1:], **kwargs):
+            results.append(result)
+            if criteria is None:
+                control.step(len(results))
 
-        _, aborted = _guarded(control, pipe.model, consume, streamer)
+    aborted = False
+    if not control.check():
+        _, aborted = _guarded(control, pipe.model, each if many else one, streamer)
+    output = results if many else (results[0] if results else [])
     extra: dict[str, Any] = {"items": len(results)} if many else {}
     if criteria is None:
         outcome = control.outcome(output, extra=extra)
@@ -419,10 +423,7 @@ def _run_pipeline(
         return outcome
     if aborted and criteria.last_ids is not None:
         extra["partial_ids"] = criteria.so_far(None)
-    if criteria.rows_per_item == 1:
-        criteria.start()  # closes the last call's rows
-    else:
-        criteria.row_reasons = []  # a pipeline hides beam search's returned rows
+    criteria.start()  # closes the last generate call's rows
     return _outcome(control, criteria, output, aborted, extra=extra)
 
 

@@ -104,6 +104,14 @@ async def submit_job(request: Request, who: Owner, job: Annotated[JobRequest, Bo
     return view.to_json()
 
 
+@jobs.get("/jobs")
+async def list_jobs(
+    request: Request, who: Owner, limit: Annotated[int, Query(ge=1, le=1000)] = 100
+) -> dict[str, Any]:
+    """Your own jobs (those created with your key), newest first."""
+    return {"object": "list", "data": [v.to_json() for v in await engine_of(request).list(who, limit)]}
+
+
 @jobs.get("/jobs/{job_id}")
 async def get_job(request: Request, who: Owner, job_id: str) -> dict[str, Any]:
     """The job's state, step, total and reason."""

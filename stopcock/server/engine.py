@@ -148,6 +148,8 @@ class Engine(Protocol):
 
     async def get(self, job_id: str, owner: str) -> JobView: ...
 
+    async def list(self, owner: str, limit: int = 100) -> list[JobView]: ...
+
     async def stop(self, job_id: str, owner: str, reason: str = "user", wait: bool = True) -> JobView: ...
 
     async def wait(self, job_id: str, owner: str, timeout: float | None = None) -> JobView: ...
@@ -366,6 +368,12 @@ class LocalEngine:
 
     async def get(self, job_id: str, owner: str) -> JobView:
         return self._find(job_id, owner).view()
+
+    async def list(self, owner: str, limit: int = 100) -> list[JobView]:
+        """The owner's jobs, newest first (at most ``limit``)."""
+        with self._lock:
+            mine = [job for job in self._jobs.values() if secrets.compare_digest(job.owner, owner)]
+        return [job.view() for job in reversed(mine[-limit:])]
 
     async def stop(self, job_id: str, owner: str, reason: str = "user", wait: bool = True) -> JobView:
         """Stop a job; with ``wait``, answer once the stop took effect (or ``stop_wait`` passed).
