@@ -135,6 +135,7 @@ def measure(s: Scenario, reps: int) -> dict[str, list[dict[str, Any]]]:
                 {
                     "latency": timing.latency,
                     "steps": len(timing.probe.step_starts) if steps_of is None else steps_of(timing.result),
+                    "reported": getattr(timing.result, "stop_latency", None),  # stopcock's own account
                     "forwards_after_stop": timing.steps_started_after_stop(),
                     "step_durations": timing.probe.step_durations(),
                 }
@@ -153,12 +154,14 @@ def add_rows(table: Table, s: Scenario, unit: float) -> dict[str, Any]:
     summary: dict[str, Any] = {"unit_s": unit, "n_blocks": s.n_blocks, "total": s.total}
     for name, runs in s.results.items():
         lat = [r["latency"] for r in runs]
+        reported = [r["reported"] for r in runs if r["reported"] is not None]
         row = {
             "latency_s": median(lat),
             "in_units": median(lat) / unit,
             "in_blocks": median(lat) / (unit / s.n_blocks) if s.n_blocks else None,
             "steps": median([r["steps"] for r in runs]),
             "forwards_after_stop": max(r["forwards_after_stop"] for r in runs),
+            "reported_s": median(reported) if reported else None,
         }
         summary[name] = row
         display = s.native_name if name == ARMS[1] else name
@@ -171,12 +174,13 @@ def add_rows(table: Table, s: Scenario, unit: float) -> dict[str, Any]:
             "" if row["in_blocks"] is None else f"{row['in_blocks']:.1f}",
             f"{row['steps']:g} / {s.total}",
             row["forwards_after_stop"],
+            "" if row["reported_s"] is None else ms(row["reported_s"]),
         )
     return summary
 
 
 COLUMNS = ["scenario", "stopped by", "latency ms (median)", "range ms", "in {unit}", "in blocks (≈)"]
-COLUMNS += ["steps done", "forwards started after stop()"]
+COLUMNS += ["steps done", "forwards started after stop()", "`Outcome.stop_latency` ms"]
 
 
 @dataclass(frozen=True)
@@ -278,7 +282,8 @@ def run(quick: bool = False) -> Section:
             " divides by the median step (start to start of the denoiser's forwards) of the runs"
             " without a stop, *in prefills* by their prefill forward; *in blocks* divides that"
             " unit by the number of blocks stopcock hooks (an average block, an approximation)."
-            " *Steps done* counts denoising steps or generated tokens."
+            " *Steps done* counts denoising steps or generated tokens. The last column is the latency"
+            " stopcock itself reports (median), to compare with the measured one."
         ),
         tables=[image_table, text_table],
         notes=[

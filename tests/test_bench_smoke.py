@@ -59,6 +59,8 @@ def test_stops_land_before_the_end_and_abort_does_no_more_steps(sections, name, 
         for arm in ARMS[1:]:
             assert result[arm]["forwards_after_stop"] == 0, arm
             assert result[arm]["latency_s"] > 0
+        for arm in ARMS[2:]:  # stopcock reports its own stop latency
+            assert result[arm]["reported_s"] is not None and result[arm]["reported_s"] > 0
         total = result["total"]
         assert result[ARMS[0]]["steps"] == total  # the run without a stop did every step
         assert result[ARMS[1]]["steps"] < total

@@ -188,3 +188,39 @@ def test_an_unknown_pipeline_with_two_schedulers_in_one_loop(count_forwards, mod
     assert outcome.steps == 2 and outcome.mode == "abort" and outcome.output is None
     assert calls[pipe.unet] == 3  # both streams' first step, then the first stream's second one
     assert (mode == "finish") == ("cannot finish early" in (outcome.detail or ""))
+
+
+class FlagOnly(DiffusionPipeline):
+    """Shaped like category C (HunyuanVideo 1.5, LongCat-Image): checks interrupt, takes no callback."""
+
+    def __init__(self, unet, scheduler):
+        super().__init__()
+        self.register_modules(unet=unet, scheduler=scheduler)
+
+    @torch.no_grad()
+    def __call__(self, num_inference_steps=4, generator=None):
+        self._interrupt = False
+        sample = torch.randn((1, 3, 16, 16), generator=generator)
+        self.scheduler.set_timesteps(num_inference_steps)
+        for t in self.scheduler.timesteps:
+            if self._interrupt:
+                continue
+            noise = self.unet(sample, t).sample
+            sample = self.scheduler.step(noise, t, sample, generator=generator).prev_sample
+        return {"decoded": sample.clamp(-1, 1)}
+
+
+def test_a_flag_only_pipeline_finishes_natively_without_a_callback(monkeypatch, count_forwards):
+    from diffusers import DDPMScheduler
+
+    from stopcock.adapters import diffusers as adapter
+
+    monkeypatch.setattr(adapter, "_interrupt_classes", lambda: frozenset({"FlagOnly"}))
+    pipe = FlagOnly(tiny.ddpm_pipeline().unet, DDPMScheduler())
+    calls = count_forwards(pipe.unet)
+    states = []
+    outcome = stopcock.run(pipe, num_inference_steps=4, generator=torch.Generator().manual_seed(0),
+                           stop=stopcock.max_steps(2), partial="denoised", on_step=states.append)
+    assert outcome.mode == "finish" and outcome.extra["path"] == "interrupt" and calls[pipe.unet] == 2
+    torch.testing.assert_close(outcome.output["decoded"], states[-1].extra["denoised"].clamp(-1, 1))
+    assert not pipe._interrupt

@@ -98,6 +98,9 @@ def test_text_job_runs_and_streams_its_text(server):
     found = server.get(f"/v1/jobs/{job['id']}/result").json()
     assert found["result"]["text"] == "".join(e["text"] for e in seen if e["type"] == "text") != ""
     assert found["job"]["outcome"]["steps"] == 12
+    assert (
+        list(events(server, job["id"], headers={"Last-Event-ID": str(len(seen))})) == []
+    )  # nothing after done
     # replay from a cursor: only the later events
     assert [e["seq"] for e in events(server, job["id"], headers={"Last-Event-ID": str(len(seen) - 2)})] == [
         len(seen) - 1,

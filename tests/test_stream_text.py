@@ -268,3 +268,10 @@ def test_close_from_another_thread_ends_a_waiting_consumer(text_model, tokenizer
     assert not consumer.is_alive() and not workers[0].is_alive()
     assert not any(isinstance(e, Done) for e in received) and s.outcome.reason == "cancelled"
     assert steps == [1, 2, 3] and s.outcome.steps == 3
+
+
+def test_stopcock_stream_stays_the_function_once_its_module_is_imported():
+    import importlib
+
+    importlib.import_module("stopcock.aio")  # imports the stopcock.stream module
+    assert stopcock.stream is importlib.import_module("stopcock.stream").stream

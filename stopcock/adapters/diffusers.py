@@ -395,13 +395,8 @@ class Handle:
     if the run was aborted; the abort ends the ``with`` block).
     """
 
-    def __init__(self, binding: _Binding) -> None:
-        self._binding = binding
+    def __init__(self) -> None:
         self.outcome: Outcome | None = None
-
-    @property
-    def control(self) -> RunControl:
-        return self._binding.control
 
 
 @contextmanager
@@ -422,7 +417,7 @@ def attach(
         raise TypeError(f"attach() takes a diffusers pipeline, got {type(pipe).__name__}")
     with RunControl(stop, mode=mode, on_step=on_step) as control:
         binding = _Binding(pipe, control, partial)
-        handle = Handle(binding)
+        handle = Handle()
         with binding:
             yield handle
         handle.outcome = binding.outcome(None)

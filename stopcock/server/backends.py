@@ -10,6 +10,7 @@ A lane runs one job with :func:`stopcock.run`: the job's stop signal plus its co
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,6 +20,7 @@ from ..outcome import Outcome
 from ..state import StepState
 from ..stream import TextDecoder, latent_preview
 from .engine import Backend, InvalidJob, JobSpec, RunContext, png_base64
+from .schemas import ImageParameters
 
 __all__ = ["ImageBackend", "TextBackend", "conditions", "load_backends"]
 
@@ -134,6 +136,16 @@ class TextLane:
         return outcome
 
 
+# job parameter -> the diffusers pipeline argument
+_PIPELINE_ARGS = {
+    "steps": "num_inference_steps",
+    "width": "width",
+    "height": "height",
+    "guidance_scale": "guidance_scale",
+    "negative_prompt": "negative_prompt",
+}
+
+
 class ImageBackend:
     """A diffusers pipeline (text-to-image)."""
 
@@ -143,6 +155,7 @@ class ImageBackend:
         self.pipe = pipe
         self.name = name
         self.description = description
+        self.takes = set(inspect.signature(pipe.__call__).parameters)
 
     @classmethod
     def load(cls, model: str, name: str | None = None, description: str = "") -> ImageBackend:
@@ -151,19 +164,35 @@ class ImageBackend:
 
         return cls(load_image_pipeline(model), name or model, description)
 
+    def call_kwargs(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """The pipeline's arguments for ``params``; a parameter set to something else than its
+        default that this pipeline does not take is an :class:`InvalidJob`."""
+        kwargs = {}
+        for param, name in _PIPELINE_ARGS.items():
+            value = params[param]
+            if name in self.takes:
+                if value is not None:
+                    kwargs[name] = value
+            elif value != ImageParameters.model_fields[param].default:
+                raise InvalidJob(
+                    f"this image model ({type(self.pipe).__name__}) takes no {param}: leave it out"
+                )
+        return kwargs
+
     def validate(self, spec: JobSpec) -> None:
-        return None  # the schema's limits (steps, sizes in multiples of 64) fit every SD-family model
+        self.call_kwargs(spec.params)
 
     def lane(self) -> ImageLane:
         components = dict(self.pipe.components)
         components["scheduler"] = copy.deepcopy(self.pipe.scheduler)
         pipe = type(self.pipe)(**components)
         pipe.set_progress_bar_config(disable=True)
-        return ImageLane(pipe)
+        return ImageLane(self, pipe)
 
 
 class ImageLane:
-    def __init__(self, pipe: Any) -> None:
+    def __init__(self, backend: ImageBackend, pipe: Any) -> None:
+        self.backend = backend
         self.pipe = pipe
 
     def execute(self, spec: JobSpec, ctx: RunContext) -> Outcome:
@@ -184,12 +213,8 @@ class ImageLane:
             stop=[ctx.signal, *conditions(spec.stop)],
             on_step=ctx.on_step(report),
             partial=params["partial"],
-            num_inference_steps=params["steps"],
-            width=params["width"],
-            height=params["height"],
-            guidance_scale=params["guidance_scale"],
-            negative_prompt=params["negative_prompt"],
             generator=generator,
+            **self.backend.call_kwargs(params),
         )
         images = getattr(outcome.output, "images", None)
         ctx.set_result(image=None if not images else png_base64(images[0]), detail=outcome.detail)

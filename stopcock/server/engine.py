@@ -224,6 +224,7 @@ class _Job:
         self.result: dict[str, Any] | None = None
         self.error: str | None = None
         self.events: list[Event | None] = []  # None: an older preview, dropped to bound memory
+        self.ended = False  # the done event has been emitted
         self._last_preview: int | None = None
         self.changes = _Changes()
         self.lock = threading.Lock()
@@ -235,6 +236,7 @@ class _Job:
                     self.events[self._last_preview] = None
                 self._last_preview = len(self.events)
             self.events.append(Event(len(self.events) + 1, type_, data))
+            self.ended = self.ended or type_ == "done"
         self.changes.bump()
 
     def view(self) -> JobView:
@@ -405,17 +407,17 @@ class LocalEngine:
         return job.view()
 
     async def events(self, job_id: str, owner: str, after: int = 0) -> AsyncIterator[Event]:
-        """The job's events with ``seq > after``, as they come, ending with ``done``."""
+        """The job's events with ``seq > after``, as they come, up to ``done`` (none after it)."""
         job = self._find(job_id, owner)
         while True:
             version = job.changes.version
             with job.lock:
                 new = [e for e in job.events[after:] if e is not None]
-                after = len(job.events)
+                after, ended = len(job.events), job.ended
             for event in new:
                 yield event
-                if event.type == "done":
-                    return
+            if ended:
+                return
             await job.changes.wait_past(version)
 
     async def result(self, job_id: str, owner: str) -> dict[str, Any]:

@@ -120,6 +120,7 @@ def serve(args: argparse.Namespace) -> int:
         queue_size=args.queue_size,
         step_delay=float(os.environ.get(STEP_DELAY_ENV, "0") or 0),
     )
+
     class Server(uvicorn.Server):
         async def shutdown(self, sockets: Any = None) -> None:
             await engine.aclose()  # stop every job first ("shutdown"): open streams end with their outcome
