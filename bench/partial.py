@@ -59,6 +59,8 @@ def _psnr(rmse: float) -> str:
 
 
 def _latent_mse(a: Any, b: Any) -> float:
+    if a.shape != b.shape:
+        raise ValueError(f"latents of different shapes: {tuple(a.shape)} vs {tuple(b.shape)}")
     return float(torch.mean((a.double() - b.double()) ** 2))
 
 

@@ -91,8 +91,10 @@ class StopSignal:
                 future.set_result(None)
 
         def wake() -> None:
-            if not loop.is_closed():
+            try:
                 loop.call_soon_threadsafe(resolve)
+            except RuntimeError:  # the loop closed: no waiter is left to wake
+                pass
 
         remove = self.on_stop(wake)
         try:

@@ -297,3 +297,16 @@ def test_image_job_on_a_text_only_server_is_refused(text_pipe):
     with serve({"text": TextBackend(text_pipe, "tiny-text")}) as (client, _):
         response = client.post("/v1/jobs", json={"kind": "image", "prompt": "x"})
         assert response.status_code == 400 and "no image model" in response.json()["error"]["message"]
+
+
+def test_image_backends_check_what_the_pipeline_takes():
+    from stopcock.server.engine import InvalidJob, JobSpec
+    from stopcock.server.schemas import ImageParameters
+    from stopcock.tiny.image import ddpm_pipeline, lcm_pipeline
+
+    with pytest.raises(ValueError, match="takes no prompt"):
+        ImageBackend(ddpm_pipeline(), "ddpm")  # takes no prompt
+    lcm = ImageBackend(lcm_pipeline(), "lcm")
+    lcm.validate(JobSpec("image", "x", ImageParameters().model_dump()))  # defaults are fine
+    with pytest.raises(InvalidJob, match="takes no negative_prompt"):
+        lcm.validate(JobSpec("image", "x", ImageParameters(negative_prompt="blur").model_dump()))

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import __version__
-from .engine import Engine, Event, InvalidJob, JobNotFound, KindNotServed, QueueFull
+from .engine import FINAL_STATES, Engine, Event, InvalidJob, JobNotFound, KindNotServed, QueueFull
 from .schemas import JobRequest
 
 __all__ = ["ApiError", "Keys", "create_app", "engine_of", "owner", "sse"]
@@ -131,7 +131,7 @@ async def stop_job(request: Request, who: Owner, job_id: str) -> dict[str, Any]:
 async def job_result(request: Request, who: Owner, job_id: str) -> dict[str, Any]:
     """The final state and the generated text or image (PNG, base64); 409 while it runs."""
     found = await engine_of(request).result(job_id, who)
-    if found["result"] is None and found["job"]["state"] not in ("stopped", "completed", "failed"):
+    if found["job"]["state"] not in FINAL_STATES:
         raise ApiError(
             409,
             f"job {job_id} is still {found['job']['state']}: wait for its 'done' event",

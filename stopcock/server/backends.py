@@ -156,13 +156,18 @@ class ImageBackend:
         self.name = name
         self.description = description
         self.takes = set(inspect.signature(pipe.__call__).parameters)
+        if "prompt" not in self.takes:
+            raise ValueError(f"{type(pipe).__name__} takes no prompt: serve a text-to-image pipeline")
 
     @classmethod
     def load(cls, model: str, name: str | None = None, description: str = "") -> ImageBackend:
         """Load a folder or hub id (a clear :class:`~stopcock.cli.CliError` if that fails)."""
-        from ..cli import load_image_pipeline
+        from ..cli import CliError, load_image_pipeline
 
-        return cls(load_image_pipeline(model), name or model, description)
+        try:
+            return cls(load_image_pipeline(model), name or model, description)
+        except ValueError as exc:
+            raise CliError(f"{model}: {exc}") from None
 
     def call_kwargs(self, params: Mapping[str, Any]) -> dict[str, Any]:
         """The pipeline's arguments for ``params``; a parameter set to something else than its
@@ -209,7 +214,7 @@ class ImageLane:
 
         outcome = stopcock.run(
             self.pipe,
-            spec.prompt,
+            prompt=spec.prompt,
             stop=[ctx.signal, *conditions(spec.stop)],
             on_step=ctx.on_step(report),
             partial=params["partial"],

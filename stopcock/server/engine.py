@@ -1,6 +1,6 @@
 """The job engine: a registry of generation jobs, a bounded queue, worker slots and the stop path.
 
-The app talks to an :class:`Engine` only (submit, get, stop, events, result), with plain ids,
+The app talks to an :class:`Engine` only (submit, get, list, stop, wait, events, result), with ids,
 owners and JSON-able views and events, so a distributed backend can replace :class:`LocalEngine`
 without touching the app. :class:`LocalEngine` runs jobs in-process: ``concurrency`` worker
 threads, each with its own lane of the models, take jobs from a bounded FIFO queue. A worker
