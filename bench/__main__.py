@@ -90,7 +90,9 @@ def update_readme(summary: str, readme: Path = README) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="python -m bench", description="Run stopcock's benchmarks and write their report.")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench", description="Run stopcock's benchmarks and write their report."
+    )
     parser.add_argument("--quick", action="store_true", help="smallest configurations (seconds; CI smoke)")
     parser.add_argument("--only", nargs="+", choices=list(BENCHMARKS), help="run only these benchmarks")
     parser.add_argument("--out", type=Path, help="where to write the report (full run: bench/RESULTS.md)")

@@ -14,13 +14,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from stopcock.hooks import find_blocks
 
+T = TypeVar("T")
 RANDOM_WEIGHTS = "All models have random weights (built offline from configs; no model hub)."
 
 
@@ -98,7 +99,7 @@ def machine_info() -> dict[str, str]:
 
 
 # -- timing ----------------------------------------------------------------------------------------
-def interleaved(arms: dict[str, Callable[[], float]], reps: int, warmup: int = 1) -> dict[str, list[float]]:
+def interleaved(arms: dict[str, Callable[[], T]], reps: int, warmup: int = 1) -> dict[str, list[T]]:
     """Call each arm ``reps`` times (after ``warmup`` discarded calls), interleaved.
 
     Each round rotates the order, so slow drift (other processes, thermal state) hits every arm
@@ -108,7 +109,7 @@ def interleaved(arms: dict[str, Callable[[], float]], reps: int, warmup: int = 1
     for _ in range(warmup):
         for name in names:
             arms[name]()
-    results: dict[str, list[float]] = {name: [] for name in names}
+    results: dict[str, list[T]] = {name: [] for name in names}
     for r in range(reps):
         k = r % len(names)
         for name in names[k:] + names[:k]:

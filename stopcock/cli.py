@@ -1,4 +1,4 @@
-"""The ``stopcock`` command line: ``demo``, ``text`` and ``image``.
+"""The ``stopcock`` command line: ``demo``, ``text``, ``image`` (and ``serve``, from :mod:`stopcock.server`).
 
 Ctrl+C once stops the run gracefully at the next step (the partial result is kept and saved,
 reason ``"interrupted"``); Ctrl+C again abandons it at once, inside the step in flight (see

@@ -22,7 +22,7 @@ from .tiny.demo import DESCRIPTIONS
 IMAGE_STEPS = 20
 STOP_AT = 8
 SEED = 0
-PROMPT_IMAGE = "a lighthouse at dawn"
+PROMPT_IMAGE = "7"  # the demo image model draws the digit it is asked for
 
 
 class Demo:
@@ -89,7 +89,8 @@ class Demo:
             return run(pipe, PROMPT_IMAGE, num_inference_steps=IMAGE_STEPS, generator=generator, **options)
 
         full = generate()
-        self.show(f"4. Image, the full run ({IMAGE_STEPS} steps)", full, "completed", "step")
+        self.show(f"4. Image of {PROMPT_IMAGE!r}, the full run ({IMAGE_STEPS} steps)", full, "completed",
+                  "step")
         raw = generate(stop=max_steps(STOP_AT), partial="raw")
         self.show(f"5. Image, stopped at step {STOP_AT}: stop=stopcock.max_steps({STOP_AT}), partial='raw'"
                   " (the noisy latents as they were)", raw, "max_steps", "step")
@@ -108,7 +109,7 @@ class Demo:
         print(f"\n   The full run and the two stopped images, side by side: {out}")
 
 
-def side_by_side(panels: list[tuple[str, Any]], scale: int = 3) -> Any:
+def side_by_side(panels: list[tuple[str, Any]], scale: int = 8) -> Any:
     """One image: the panels enlarged ``scale`` times, left to right, each with its label above."""
     from PIL import Image, ImageDraw
 

@@ -48,6 +48,7 @@ def test_overhead_measures_stopcock_against_the_plain_call(sections):
             assert {"`run`, mode=finish", "`run`, mode=abort"} <= arms.keys()
             assert all(math.isfinite(a["ratio"]) and a["ratio"] > 0 for a in arms.values())
     assert data["checks"].keys() == {"step", "criterion", "block_hook"}
+    assert data["implied"] and all(math.isfinite(v) for d in data["implied"].values() for v in d.values())
 
 
 @pytest.mark.parametrize("name, scenario", [("latency", "image"), ("latency", "prefill"), ("blocks", None)])

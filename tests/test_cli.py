@@ -59,52 +59,40 @@ PROMPT = "Beautiful is"
 
 
 @pytest.fixture(scope="session")
-def cache_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An XDG cache with the demo image model already built (shared by the image tests)."""
-    from stopcock.tiny.demo import DEMO_VERSION
-    from stopcock.tiny.image import build_image_model
-
-    home = tmp_path_factory.mktemp("xdg-cache")
-    build_image_model(home / "stopcock" / f"demo-image-v{DEMO_VERSION}")
-    return home
-
-
-@pytest.fixture(scope="session")
 def zen_text():
     """The demo text model's greedy continuation of PROMPT after n tokens."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from stopcock.tiny.demo import TEXT_MODEL
+    from stopcock.tiny.demo import demo_model
 
-    model = AutoModelForCausalLM.from_pretrained(TEXT_MODEL).eval()
-    tokenizer = AutoTokenizer.from_pretrained(TEXT_MODEL)
+    model = AutoModelForCausalLM.from_pretrained(demo_model("text")).eval()
+    tokenizer = AutoTokenizer.from_pretrained(demo_model("text"))
     inputs = tokenizer(PROMPT, return_tensors="pt")
     out = model.generate(**inputs, max_new_tokens=40, do_sample=False)
     new = out[0, inputs["input_ids"].shape[1]:]
     return lambda n: tokenizer.decode(new[:n], skip_special_tokens=True)
 
 
-def child_env(cache_home: Path, gate: str | None = None) -> dict[str, str]:
-    env = {**os.environ, "XDG_CACHE_HOME": str(cache_home), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
+def child_env(gate: str | None = None) -> dict[str, str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     if gate is not None:
         env["CLI_TEST_GATE"] = gate
     return env
 
 
-def cli(*args: str, cache_home: Path, gate: str | None = None) -> subprocess.CompletedProcess[str]:
+def cli(*args: str, gate: str | None = None) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-c", GATE] if gate else [sys.executable, "-m", "stopcock.cli"]
-    return subprocess.run([*command, *args], capture_output=True, text=True, env=child_env(cache_home, gate),
+    return subprocess.run([*command, *args], capture_output=True, text=True, env=child_env(gate),
                           timeout=600, stdin=subprocess.DEVNULL)
 
 
 class Held:
     """A CLI child run through the gate, with stderr read line by line as it comes."""
 
-    def __init__(self, args: list[str], cache_home: Path, gate: str) -> None:
+    def __init__(self, args: list[str], gate: str) -> None:
         self.proc = subprocess.Popen([sys.executable, "-c", GATE, *args], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     env=child_env(cache_home, gate))
+                                     env=child_env(gate))
         self.stderr: list[str] = []
         self.watchdog = threading.Timer(600, self.proc.kill)  # a safety net for a broken child, not a sync
         self.watchdog.start()
@@ -141,9 +129,8 @@ class Held:
 
 
 @pytest.fixture
-def run_main(cache_home, monkeypatch, capsys):
+def run_main(capsys):
     """Run ``stopcock.cli.main(args)`` in this process (quicker): returns (exit code, stdout, stderr)."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(cache_home))
 
     def call(*args: str) -> tuple[int, str, str]:
         code = main(list(args))
@@ -161,12 +148,12 @@ def png_metadata(path: Path) -> dict:
 # -- arguments and errors -------------------------------------------------------------------------
 
 
-def test_help_documents_exit_codes_and_json(cache_home):
-    top = cli("--help", cache_home=cache_home)
+def test_help_documents_exit_codes_and_json():
+    top = cli("--help")
     assert top.returncode == 0
     for code in EXIT_CODES:
         assert f"  {code} " in top.stdout
-    text_help = cli("text", "--help", cache_home=cache_home)
+    text_help = cli("text", "--help")
     assert "--json prints one JSON object" in text_help.stdout and "exit_code" in text_help.stdout
 
 
@@ -187,15 +174,15 @@ def test_exit_codes_are_distinct():
         ([], "COMMAND"),
     ],
 )
-def test_bad_arguments_exit_2_with_a_clear_message(cache_home, args, named):
-    result = cli(*args, cache_home=cache_home)
+def test_bad_arguments_exit_2_with_a_clear_message(args, named):
+    result = cli(*args)
     assert result.returncode == EXIT_USAGE
     assert named in result.stderr
     assert "Traceback" not in result.stderr
 
 
-def test_missing_model_path_is_a_clear_error(cache_home, tmp_path):
-    result = cli("text", "--model", str(tmp_path / "nope"), "--prompt", "x", cache_home=cache_home)
+def test_missing_model_path_is_a_clear_error(tmp_path):
+    result = cli("text", "--model", str(tmp_path / "nope"), "--prompt", "x")
     assert result.returncode == EXIT_ERROR
     assert f"model folder not found: {tmp_path / 'nope'}" in result.stderr
     assert "Traceback" not in result.stderr
@@ -224,8 +211,8 @@ def test_text_completes_and_streams_to_stdout(run_main, zen_text):
     assert "completed (length) after 12 of 12 tokens" in err
 
 
-def test_text_stop_string_json(cache_home, zen_text):
-    result = cli("text", "--prompt", PROMPT, "--stop", ".", "--json", cache_home=cache_home)
+def test_text_stop_string_json(zen_text):
+    result = cli("text", "--prompt", PROMPT, "--stop", ".", "--json")
     assert result.returncode == EXIT_STOPPED, result.stderr
     report = json.loads(result.stdout)  # stdout holds exactly one JSON object
     assert report["command"] == "text" and report["stopped"] is True
@@ -243,18 +230,18 @@ def test_text_max_steps(run_main, zen_text):
     assert (report["reason"], report["steps"], report["text"]) == ("max_steps", 5, zen_text(5))
 
 
-def test_text_timeout_on_a_slow_model(cache_home, zen_text):
+def test_text_timeout_on_a_slow_model(zen_text):
     # every forward takes >= 20 ms, so 500 tokens take >= 10 s: the 0.3 s timeout must end the run
     result = cli("text", "--prompt", PROMPT, "--max-new-tokens", "500", "--timeout", "0.3", "--json",
-                 cache_home=cache_home, gate="slow:GPT2LMHeadModel:0.02")
+                 gate="slow:GPT2LMHeadModel:0.02")
     assert result.returncode == EXIT_STOPPED, result.stderr
     report = json.loads(result.stdout)
     assert report["reason"] == "timeout" and report["stopped"] is True
     assert report["steps"] < 500 and report["text"] == zen_text(report["steps"])
 
 
-def test_text_ctrl_c_once_stops_at_the_next_token(cache_home, zen_text):
-    run = Held(["text", "--prompt", PROMPT, "--max-new-tokens", "500"], cache_home, "hold:GPT2LMHeadModel:4")
+def test_text_ctrl_c_once_stops_at_the_next_token(zen_text):
+    run = Held(["text", "--prompt", PROMPT, "--max-new-tokens", "500"], "hold:GPT2LMHeadModel:4")
     run.wait_for("gate: holding forward 4")
     assert run.streamed() == zen_text(3)  # three tokens were printed before the fourth forward
     run.interrupt()
@@ -266,8 +253,8 @@ def test_text_ctrl_c_once_stops_at_the_next_token(cache_home, zen_text):
     assert "stopped (interrupted) after 4 of 500 tokens" in err and "mode finish" in err
 
 
-def test_text_ctrl_c_twice_aborts_inside_the_forward(cache_home, zen_text):
-    run = Held(["text", "--prompt", PROMPT, "--max-new-tokens", "500", "--json"], cache_home,
+def test_text_ctrl_c_twice_aborts_inside_the_forward(zen_text):
+    run = Held(["text", "--prompt", PROMPT, "--max-new-tokens", "500", "--json"],
                "hold:GPT2LMHeadModel:4")
     run.wait_for("gate: holding forward 4")
     run.interrupt()
@@ -286,18 +273,18 @@ def test_text_ctrl_c_twice_aborts_inside_the_forward(cache_home, zen_text):
 
 def test_image_completes_with_the_outcome_in_the_png(run_main, tmp_path):
     out = tmp_path / "full.png"
-    code, stdout, err = run_main("image", "--prompt", "a cat", "--steps", "4", "--out", str(out), "--json")
+    code, stdout, err = run_main("image", "--prompt", "7", "--steps", "4", "--out", str(out), "--json")
     assert code == EXIT_COMPLETED, err
     report = json.loads(stdout)
     assert (report["reason"], report["steps"], report["image"], report["file"]) == (
         "completed", 4, "complete", str(out))
     meta = png_metadata(out)
-    assert meta["stopped"] is False and meta["steps"] == 4 and meta["prompt"] == "a cat"
+    assert meta["stopped"] is False and meta["steps"] == 4 and meta["prompt"] == "7"
 
 
 def test_image_stop_at_step_progress_lines(run_main, tmp_path):
     out = tmp_path / "stopped.png"
-    code, _, err = run_main("image", "--prompt", "a cat", "--steps", "20", "--stop-at-step", "3", "--partial",
+    code, _, err = run_main("image", "--prompt", "7", "--steps", "20", "--stop-at-step", "3", "--partial",
                             "raw", "--progress", "lines", "--out", str(out))
     assert code == EXIT_STOPPED, err
     assert [line for line in err.splitlines() if line.startswith("step ")][-1].startswith("step 3/20")
@@ -307,9 +294,9 @@ def test_image_stop_at_step_progress_lines(run_main, tmp_path):
     assert meta["partial"] == "raw"
 
 
-def test_image_ctrl_c_once_saves_the_partial_image(cache_home, tmp_path):
+def test_image_ctrl_c_once_saves_the_partial_image(tmp_path):
     out = tmp_path / "interrupted.png"
-    run = Held(["image", "--prompt", "a cat", "--steps", "200", "--out", str(out), "--json"], cache_home,
+    run = Held(["image", "--prompt", "7", "--steps", "200", "--out", str(out), "--json"],
                "hold:UNet2DConditionModel:3")
     run.wait_for("gate: holding forward 3")
     run.interrupt()
@@ -323,12 +310,12 @@ def test_image_ctrl_c_once_saves_the_partial_image(cache_home, tmp_path):
     meta = png_metadata(out)
     assert (meta["reason"], meta["steps"], meta["partial"]) == ("interrupted", 3, "denoised")
     with Image.open(out) as image:
-        assert image.size == (64, 64)
+        assert image.size == (16, 16)  # the demo model's size
 
 
-def test_image_ctrl_c_twice_aborts_and_keeps_a_latent_preview(cache_home, tmp_path):
+def test_image_ctrl_c_twice_aborts_and_keeps_a_latent_preview(tmp_path):
     out = tmp_path / "aborted.png"
-    run = Held(["image", "--prompt", "a cat", "--steps", "200", "--out", str(out), "--json"], cache_home,
+    run = Held(["image", "--prompt", "7", "--steps", "200", "--out", str(out), "--json"],
                "hold:UNet2DConditionModel:3")
     run.wait_for("gate: holding forward 3")
     run.interrupt()
@@ -347,7 +334,7 @@ def test_image_ctrl_c_twice_aborts_and_keeps_a_latent_preview(cache_home, tmp_pa
 
 def test_image_abort_mode_saves_a_latent_preview(run_main, tmp_path):
     out = tmp_path / "abort.png"
-    code, stdout, _ = run_main("image", "--prompt", "a cat", "--steps", "10", "--stop-at-step", "2", "--mode",
+    code, stdout, _ = run_main("image", "--prompt", "7", "--steps", "10", "--stop-at-step", "2", "--mode",
                                "abort", "--out", str(out), "--json")
     report = json.loads(stdout)
     assert code == EXIT_STOPPED

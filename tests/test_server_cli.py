@@ -88,4 +88,13 @@ def test_an_empty_keys_file_is_an_error(tmp_path):
         text=True,
         env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)},
     )
-    assert done.returncode == 1 and "holds no keys" in done.stderr
+    assert done.returncode == 1 and "holds no keys" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_missing_model_is_a_one_line_error(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "stopcock.cli", "serve", "--text-model", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 1 and "model folder not found" in done.stderr and "Traceback" not in done.stderr

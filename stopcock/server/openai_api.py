@@ -11,14 +11,15 @@ response also carries a ``stopcock`` object: the run's Outcome summary (reason, 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
-from .app import ApiError, Owner, engine_of
+from .deps import ApiError, Owner, engine_of
 from .engine import Engine, JobSpec, JobView
 from .schemas import ChatRequest, CompletionRequest, ImageRequest
 
@@ -148,43 +149,55 @@ async def _text(request: Request, body: CompletionRequest | ChatRequest, who: st
         }
         return f"data: {json.dumps(data)}\n\n"
 
-    async def events() -> AsyncIterator[str]:
-        trimmer = StopTrimmer(stops)
-        done = False
-        try:
-            if chat:
-                yield chunk(
-                    [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
-                )
-            async for event in engine.events(view.id, who):
-                if event.type == "text":
-                    text = trimmer.feed(event.data["text"])
-                    if text:
-                        yield chunk([choice(text, None, delta=True)])
-                elif event.type == "done":
-                    done = True
-                    if event.data["state"] == "failed":
-                        error = {
-                            "message": f"generation failed: {event.data['error']}",
-                            "type": "server_error",
-                        }
-                        yield f"data: {json.dumps({'error': error})}\n\n"
-                        return
-                    rest = trimmer.flush()
-                    if rest:
-                        yield chunk([choice(rest, None, delta=True)])
-                    final = choice(None, finish_reason(event.data["reason"], trimmer.hit), delta=True)
-                    yield chunk([final], stopcock=event.data["outcome"])
-                    if include_usage:
-                        result = (await engine.result(view.id, who))["result"] or {}
-                        yield chunk([], usage=_usage(result))
-                    yield "data: [DONE]\n\n"
-        finally:
-            if not done:  # the client went away: stop the generation, without waiting for it
-                with anyio.CancelScope(shield=True):
-                    await engine.stop(view.id, who, "disconnected", wait=False)
+    done = False
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    async def events() -> AsyncIterator[str]:
+        nonlocal done
+        trimmer = StopTrimmer(stops)
+        if chat:
+            yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+        async for event in engine.events(view.id, who):
+            if event.type == "text":
+                text = trimmer.feed(event.data["text"])
+                if text:
+                    yield chunk([choice(text, None, delta=True)])
+            elif event.type == "done":
+                done = True
+                if event.data["state"] == "failed":
+                    error = {"message": f"generation failed: {event.data['error']}", "type": "server_error"}
+                    yield f"data: {json.dumps({'error': error})}\n\n"
+                    return
+                rest = trimmer.flush()
+                if rest:
+                    yield chunk([choice(rest, None, delta=True)])
+                final = choice(None, finish_reason(event.data["reason"], trimmer.hit), delta=True)
+                yield chunk([final], stopcock=event.data["outcome"])
+                if include_usage:
+                    result = (await engine.result(view.id, who))["result"] or {}
+                    yield chunk([], usage=_usage(result))
+                yield "data: [DONE]\n\n"
+
+    async def stop_if_unfinished() -> None:
+        if not done:  # the client went away: stop the generation, without waiting for it
+            await engine.stop(view.id, who, "disconnected", wait=False)
+
+    return _JobStream(events(), stop_if_unfinished)
+
+
+class _JobStream(StreamingResponse):
+    """Streams a job's events; when the response ends, however it ends (the client went away,
+    even before the first byte), ``on_end()`` runs, shielded from cancellation."""
+
+    def __init__(self, body: AsyncIterator[str], on_end: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_end = on_end
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._on_end()
 
 
 @openai.post("/completions")

@@ -95,17 +95,28 @@ def _loopback(host: str) -> bool:
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Run the service until Ctrl+C; running jobs are then stopped with reason ``"shutdown"``."""
-    import uvicorn
+    """Run the service until Ctrl+C; running jobs are then stopped with reason ``"shutdown"``.
 
-    from .app import create_app
+    A model or key file that cannot be used is a one-line error and exit status 1 (handled here,
+    so that it holds however the command was started).
+    """
+    from ..cli import CliError
+
+    try:
+        keys = read_keys(args)
+        backends = _load(args, keys)
+    except CliError as exc:
+        print(f"stopcock serve: error: {exc}", file=sys.stderr)
+        return 1
+    _run(args, keys, backends)
+    return 0
+
+
+def _load(args: argparse.Namespace, keys: list[str]) -> dict[str, Any]:
+    from ..cli import CliError
     from .backends import load_backends
-    from .engine import LocalEngine
 
-    keys = read_keys(args)
     if any(not k for k in keys):
-        from ..cli import CliError
-
         raise CliError("an API key cannot be empty")
     if not keys and not _loopback(args.host):
         print(
@@ -113,7 +124,15 @@ def serve(args: argparse.Namespace) -> int:
             " reaches it can run and stop jobs",
             file=sys.stderr,
         )
-    backends = load_backends(args.text_model, args.image_model)
+    return load_backends(args.text_model, args.image_model)
+
+
+def _run(args: argparse.Namespace, keys: list[str], backends: dict[str, Any]) -> None:
+    import uvicorn
+
+    from .app import create_app
+    from .engine import LocalEngine
+
     engine = LocalEngine(
         backends,
         concurrency=args.concurrency,
@@ -131,19 +150,11 @@ def serve(args: argparse.Namespace) -> int:
         Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=5)).run()
     finally:
         engine.close()
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m stopcock.server.serve``: the ``serve`` command alone."""
-    from ..cli import CliError
-
-    args = configure(argparse.ArgumentParser(prog="stopcock serve")).parse_args(argv)
-    try:
-        return serve(args)
-    except CliError as exc:
-        print(f"stopcock serve: error: {exc}", file=sys.stderr)
-        return 1
+    return serve(configure(argparse.ArgumentParser(prog="stopcock serve")).parse_args(argv))
 
 
 if __name__ == "__main__":

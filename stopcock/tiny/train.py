@@ -78,16 +78,17 @@ def digit_vae(channels: int = 16, latent_channels: int = 4) -> Any:
     import torch
     from diffusers import AutoencoderKL
 
-    vae = AutoencoderKL(
+    vae: Any = AutoencoderKL(
         block_out_channels=[channels, channels], in_channels=3, out_channels=3, layers_per_block=1,
         down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2,
         latent_channels=latent_channels, norm_num_groups=4, sample_size=16, scaling_factor=1.0,
-    ).eval()
+    )
+    vae.eval()
 
     def identity(conv: torch.nn.Conv2d, inputs: int) -> None:
-        centre = (conv.kernel_size[0] // 2, conv.kernel_size[1] // 2)
+        row, column = conv.kernel_size[0] // 2, conv.kernel_size[1] // 2
         for out in range(conv.out_channels):
-            conv.weight[(out, out % inputs, *centre)] = 1.0
+            conv.weight[out, out % inputs, row, column] = 1.0
 
     with torch.no_grad():
         for p in vae.parameters():  # residual branches and attention outputs at zero: identities
@@ -125,7 +126,7 @@ def train_image_model(folder: str | Path, *, steps: int = 3000, seed: int = 0) -
                         truncation=True, return_tensors="pt").input_ids
         embeddings = text_encoder(ids)[0]
     betas = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear")
-    noise_schedule = DDPMScheduler(num_train_timesteps=1000, **betas)
+    noise_schedule: Any = DDPMScheduler(num_train_timesteps=1000, **betas)
     unet = sd_unet(seed=seed, block_out_channels=(16, 32), sample_size=8, norm_num_groups=8).train()
     optimizer = torch.optim.AdamW(unet.parameters(), lr=2e-3)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
@@ -145,7 +146,7 @@ def train_image_model(folder: str | Path, *, steps: int = 3000, seed: int = 0) -
         schedule.step()
         if step % 100 == 0 or step == steps - 1:
             print(f"step {step} loss {loss.item():.4f}", file=sys.stderr, flush=True)
-    pipe = StableDiffusionPipeline(
+    pipe: Any = StableDiffusionPipeline(
         vae=digit_vae(), text_encoder=text_encoder, tokenizer=tokenizer, unet=unet.eval(),
         scheduler=DDIMScheduler(clip_sample=False, set_alpha_to_one=False, steps_offset=1, **betas),
         safety_checker=None, feature_extractor=None, requires_safety_checker=False,

@@ -1,0 +1,84 @@
+"""What every route shares: API errors, keys and owners, the engine on ``app.state``, SSE framing."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+from fastapi.responses import JSONResponse
+
+from .engine import Engine, Event
+
+__all__ = ["MAX_BODY_BYTES", "ApiError", "Keys", "Owner", "engine_of", "error_response", "owner", "sse"]
+
+MAX_BODY_BYTES = 1 << 20
+
+
+class ApiError(Exception):
+    """An error answered as ``{"error": {"message", "type", "code"}}`` (OpenAI's shape)."""
+
+    def __init__(
+        self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code = status, message, type_, code
+
+
+class Keys:
+    """The configured API keys; no keys means an open server (bind it to loopback only).
+
+    A job belongs to the key that created it: the owner is a digest of the key, never the key.
+    """
+
+    def __init__(self, keys: Iterable[str] = ()) -> None:
+        self._owners = {self._digest(k) for k in keys}
+
+    @staticmethod
+    def _digest(key: str) -> str:
+        return hashlib.sha256(key.encode()).hexdigest()
+
+    @property
+    def required(self) -> bool:
+        return bool(self._owners)
+
+    def owner(self, authorization: str | None) -> str:
+        if not self._owners:
+            return "local"
+        scheme, _, key = (authorization or "").partition(" ")
+        digest = self._digest(key.strip())
+        if scheme.lower() != "bearer" or digest not in self._owners:
+            raise ApiError(
+                401,
+                "a valid API key is required: send 'Authorization: Bearer KEY'",
+                "authentication_error",
+                "invalid_api_key",
+            )
+        return digest
+
+
+def owner(request: Request) -> str:
+    """The owner of the request (a FastAPI dependency); 401 without a valid key."""
+    keys: Keys = request.app.state.keys
+    return keys.owner(request.headers.get("authorization"))
+
+
+def engine_of(request: Request) -> Engine:
+    engine: Engine = request.app.state.engine
+    return engine
+
+
+Owner = Annotated[str, Depends(owner)]
+
+
+def sse(event: Event) -> str:
+    return f"id: {event.seq}\nevent: {event.type}\ndata: {json.dumps(event.to_json())}\n\n"
+
+
+def error_response(
+    status: int, message: str, type_: str, code: str | None = None, **extra: Any
+) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "code": code}, **extra}
+    return JSONResponse(body, status_code=status, headers={"Retry-After": "1"} if status == 429 else None)

@@ -1,0 +1,107 @@
+"""The job API: submit, read, follow, stop and collect generation jobs (``/v1/jobs``)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Query, Request
+from fastapi.responses import StreamingResponse
+
+from .deps import ApiError, Owner, engine_of, sse
+from .engine import FINAL_STATES
+from .schemas import JobRequest
+
+__all__ = ["jobs"]
+
+jobs = APIRouter(prefix="/v1", tags=["jobs"])
+
+
+@jobs.post("/jobs", status_code=201)
+async def submit_job(request: Request, who: Owner, job: Annotated[JobRequest, Body()]) -> dict[str, Any]:
+    """Queue a text or image job; answers with its id and state (429 when the queue is full)."""
+    view = await engine_of(request).submit(job.spec(), who)
+    return view.to_json()
+
+
+@jobs.get("/jobs")
+async def list_jobs(
+    request: Request, who: Owner, limit: Annotated[int, Query(ge=1, le=1000)] = 100
+) -> dict[str, Any]:
+    """Your own jobs (those created with your key), newest first."""
+    return {"object": "list", "data": [v.to_json() for v in await engine_of(request).list(who, limit)]}
+
+
+@jobs.get("/jobs/{job_id}")
+async def get_job(request: Request, who: Owner, job_id: str) -> dict[str, Any]:
+    """The job's state, step, total and reason."""
+    return (await engine_of(request).get(job_id, who)).to_json()
+
+
+@jobs.post("/jobs/{job_id}/stop")
+async def stop_job(request: Request, who: Owner, job_id: str) -> dict[str, Any]:
+    """Stop this job (only this one) and answer with its state once the stop took effect.
+
+    Idempotent; a queued job is removed without running; a finished job answers as it ended.
+    """
+    return (await engine_of(request).stop(job_id, who, "user")).to_json()
+
+
+@jobs.get("/jobs/{job_id}/result")
+async def job_result(request: Request, who: Owner, job_id: str) -> dict[str, Any]:
+    """The final state and the generated text or image (PNG, base64); 409 while it runs."""
+    found = await engine_of(request).result(job_id, who)
+    if found["job"]["state"] not in FINAL_STATES:
+        raise ApiError(
+            409,
+            f"job {job_id} is still {found['job']['state']}: wait for its 'done' event",
+            code="job_not_finished",
+        )
+    return found
+
+
+@jobs.get("/jobs/{job_id}/events")
+async def job_events(
+    request: Request, who: Owner, job_id: str, after: Annotated[int, Query(ge=0)] = 0
+) -> StreamingResponse:
+    """Server-sent events: queued, started, progress, text, preview, done.
+
+    Resume with ``?after=SEQ`` or the ``Last-Event-ID`` header. Closing this stream does not stop
+    the job (use ``/stop``).
+    """
+    engine = engine_of(request)
+    await engine.get(job_id, who)  # 404 now, not inside the stream
+    last = request.headers.get("last-event-id", "")
+    start = max(after, int(last) if last.isdigit() else 0)
+
+    async def body() -> AsyncIterator[str]:
+        async for event in engine.events(job_id, who, start):
+            yield sse(event)
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+@jobs.get("/models")
+async def list_models(request: Request, who: Owner) -> dict[str, Any]:
+    """The served models, in OpenAI's list format (``stopcock_kind``: text or image)."""
+    models = engine_of(request).models
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": m["id"],
+                "object": "model",
+                "created": 0,
+                "owned_by": "stopcock",
+                "stopcock_kind": kind,
+                "description": m["description"],
+            }
+            for kind, m in models.items()
+        ],
+    }
+
+
+@jobs.get("/health")
+async def health(request: Request, who: Owner) -> dict[str, Any]:
+    """Queue and worker counts."""
+    return {"status": "ok", **engine_of(request).stats()}
