@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import time
 from pathlib import Path
@@ -100,10 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     names = args.only or list(BENCHMARKS)
     out = args.out or (None if args.quick else RESULTS)
 
-    quiet()
-    info = machine_info()
-    start = time.perf_counter()
-    sections = run_benchmarks(names, args.quick)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach the model hub
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    with quiet():
+        info = machine_info()
+        start = time.perf_counter()
+        sections = run_benchmarks(names, args.quick)
     report = render(sections, info, " ".join(["python -m bench", *argv]), time.perf_counter() - start)
     if out is None:
         print(report)

@@ -284,18 +284,30 @@ def middle_block(model: nn.Module) -> str:
     return names[id(found[len(found) // 2])]
 
 
-def quiet() -> None:
-    """No progress bars or advisory warnings in benchmark output; one thread for steadier timings."""
+@contextmanager
+def quiet() -> Iterator[None]:
+    """No progress bars or advisory warnings in benchmark output, and one torch thread for steadier
+    timings; everything is restored on exit (the smoke test runs inside a larger test session)."""
     import warnings
 
     import diffusers
     import transformers
 
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    diffusers.utils.logging.set_verbosity_error()
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()
+    levels = transformers.utils.logging.get_verbosity(), diffusers.utils.logging.get_verbosity()
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+        diffusers.utils.logging.set_verbosity_error()
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
+            transformers.utils.logging.set_verbosity(levels[0])
+            diffusers.utils.logging.set_verbosity(levels[1])
+            if bars:
+                transformers.utils.logging.enable_progress_bar()

@@ -42,7 +42,9 @@ class Config:
 
 
 QUICK = Config(text_models=((2, 64, 2),), new_tokens=8, image_steps=3, reps=2, check_calls=200)
-FULL = Config(text_models=((2, 64, 2), (12, 384, 6)), new_tokens=64, image_steps=20, reps=9, check_calls=5000)
+FULL = Config(
+    text_models=((2, 64, 2), (12, 384, 6)), new_tokens=64, image_steps=20, reps=15, check_calls=5000
+)
 
 
 def per_call(fn: Callable[[], object], calls: int) -> float:

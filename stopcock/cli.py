@@ -84,11 +84,10 @@ _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 
 
 def resolve_model(spec: str | None, kind: str) -> str:
-    """The folder or hub id to load: the built-in demo model (loaded quietly) when ``spec`` is None."""
+    """The folder or hub id to load: the built-in demo model when ``spec`` is None."""
     if spec is None:
         from .tiny.demo import demo_model
 
-        _quiet_loading(kind)
         return str(demo_model(kind))
     if Path(spec).expanduser().is_dir():
         return str(Path(spec).expanduser())
@@ -97,53 +96,66 @@ def resolve_model(spec: str | None, kind: str) -> str:
     return spec
 
 
-def _quiet_loading(kind: str) -> None:
-    """Hide the libraries' loading bars and notices, which only add noise for the tiny demo models."""
-    from transformers.utils import logging
-
-    logging.disable_progress_bar()
-    logging.set_verbosity_error()
-    if kind == "image":
-        from diffusers.utils import logging as diffusers_logging
-
-        diffusers_logging.disable_progress_bar()
-        diffusers_logging.set_verbosity_error()
+@contextlib.contextmanager
+def _loading(spec: str, *, quiet: bool) -> Iterator[None]:
+    """Around a ``from_pretrained``: a failure becomes a one-line :class:`CliError` that names the fix;
+    ``quiet`` hides the libraries' loading bars and notices meanwhile (noise for a tiny demo model)."""
+    with contextlib.ExitStack() as stack:
+        if quiet:
+            stack.enter_context(_quiet_libraries())
+        try:
+            yield
+        except (OSError, ValueError) as exc:
+            raise CliError(_load_error(spec, exc)) from None
 
 
 @contextlib.contextmanager
-def _loading(spec: str) -> Iterator[None]:
-    """Turn a failed ``from_pretrained`` into a one-line :class:`CliError` that names the fix."""
+def _quiet_libraries() -> Iterator[None]:
+    import diffusers.utils.logging
+    import transformers.utils.logging
+
+    saved = [(m, m.get_verbosity(), m.is_progress_bar_enabled())
+             for m in (transformers.utils.logging, diffusers.utils.logging)]
+    for module, _, _ in saved:
+        module.set_verbosity_error()
+        module.disable_progress_bar()
     try:
         yield
-    except (OSError, ValueError) as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if Path(spec).is_dir():
-            raise CliError(f"cannot load the model in {spec}: {first_line}") from None
-        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-        hint = (
-            "HF_HUB_OFFLINE is set, so nothing is downloaded: pass a local folder, or unset HF_HUB_OFFLINE"
-            if offline
-            else "pass a local folder, or check the id and that this machine reaches the Hugging Face Hub"
-        )
-        raise CliError(f"{spec!r} is not a local folder and could not be loaded as a hub id ({hint}):"
-                       f" {first_line}") from None
+    finally:
+        for module, verbosity, bars in saved:
+            module.set_verbosity(verbosity)
+            if bars:
+                module.enable_progress_bar()
 
 
-def load_text_model(spec: str) -> tuple[Any, Any]:
+def _load_error(spec: str, exc: BaseException) -> str:
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if Path(spec).is_dir():
+        return f"cannot load the model in {spec}: {first_line}"
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    hint = (
+        "HF_HUB_OFFLINE is set, so nothing is downloaded: pass a local folder, or unset HF_HUB_OFFLINE"
+        if offline
+        else "pass a local folder, or check the id and that this machine reaches the Hugging Face Hub"
+    )
+    return f"{spec!r} is not a local folder and could not be loaded as a hub id ({hint}): {first_line}"
+
+
+def load_text_model(spec: str, *, quiet: bool = False) -> tuple[Any, Any]:
     """A causal LM and its tokenizer, on CPU, in eval mode."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    with _loading(spec, quiet=quiet):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with _loading(spec):
         tokenizer = AutoTokenizer.from_pretrained(spec)
         model = AutoModelForCausalLM.from_pretrained(spec).eval()
     return model, tokenizer
 
 
-def load_image_pipeline(spec: str) -> Any:
+def load_image_pipeline(spec: str, *, quiet: bool = False) -> Any:
     """A diffusers pipeline with its own progress bar off (the CLI draws one)."""
-    from diffusers import DiffusionPipeline
+    with _loading(spec, quiet=quiet):
+        from diffusers import DiffusionPipeline
 
-    with _loading(spec):
         pipe = DiffusionPipeline.from_pretrained(spec)
     pipe.set_progress_bar_config(disable=True)
     return pipe
@@ -365,7 +377,7 @@ def _progress_style(args: argparse.Namespace, echoing: bool) -> str:
 
 def cmd_text(args: argparse.Namespace) -> int:
     model_spec = resolve_model(args.model, "text")
-    model, tokenizer = load_text_model(model_spec)
+    model, tokenizer = load_text_model(model_spec, quiet=args.model is None)
     inputs = tokenizer(args.prompt, return_tensors="pt")
     prompt_length = inputs["input_ids"].shape[1]
     echo = None if args.json else TextEcho(tokenizer, prompt_length, sys.stdout)
@@ -413,7 +425,7 @@ def cmd_image(args: argparse.Namespace) -> int:
     import torch
 
     model_spec = resolve_model(args.model, "image")
-    pipe = load_image_pipeline(model_spec)
+    pipe = load_image_pipeline(model_spec, quiet=args.model is None)
     progress = Progress(_progress_style(args, echoing=False))
     kwargs: dict[str, Any] = {
         "num_inference_steps": args.steps,

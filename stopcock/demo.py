@@ -42,7 +42,7 @@ class Demo:
 
     # -- text ------------------------------------------------------------------------------------
     def text(self) -> None:
-        model, tokenizer = load_text_model(resolve_model(None, "text"))
+        model, tokenizer = load_text_model(resolve_model(None, "text"), quiet=True)
 
         def generate(prompt: str, stop: object, max_new_tokens: int,
                      on_step: Callable[[StepState], object] | None = None) -> tuple[Outcome, str]:
@@ -73,8 +73,11 @@ class Demo:
 
         presser = threading.Thread(target=press)
         presser.start()
-        outcome, text = generate("Errors should", button, 1000, on_step=watch)
-        presser.join()
+        try:
+            outcome, text = generate("Errors should", button, 1000, on_step=watch)
+        finally:
+            eight_tokens_out.set()  # the presser never waits past the run, however it ended
+            presser.join()
         self.show("3. Text, stopped from another thread (a Stop button) once 8 tokens were out:"
                   " stop=signal, signal.stop() in the other thread", outcome, "user", "token", text)
 
@@ -82,7 +85,7 @@ class Demo:
     def image(self, out: Path) -> None:
         import torch
 
-        pipe = load_image_pipeline(resolve_model(None, "image"))
+        pipe = load_image_pipeline(resolve_model(None, "image"), quiet=True)
 
         def generate(**options: Any) -> Outcome:
             generator = torch.Generator("cpu").manual_seed(SEED)
@@ -135,5 +138,6 @@ def run_demo(out: Path) -> int:
     if demo.failures:
         print("\nThe demo did not go as it must:\n  " + "\n  ".join(demo.failures))
         return 1
-    print("\nEvery run ended for the reason it should.")
+    print("\nEvery run ended for the reason it should. Now try Ctrl+C on a long run (once: stop at the next"
+          " step\nand save the partial image; twice: abort now):  stopcock image --prompt 3 --steps 1000")
     return 0

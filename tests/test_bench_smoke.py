@@ -29,8 +29,8 @@ from bench.latency import ARMS
 
 @pytest.fixture(scope="module")
 def sections():
-    quiet()
-    return dict(zip(BENCHMARKS, run_benchmarks(list(BENCHMARKS), quick=True), strict=True))
+    with quiet():
+        return dict(zip(BENCHMARKS, run_benchmarks(list(BENCHMARKS), quick=True), strict=True))
 
 
 def test_every_benchmark_reports_tables(sections):

@@ -148,7 +148,8 @@ def train_image_model(folder: str | Path, *, steps: int = 3000, seed: int = 0) -
             print(f"step {step} loss {loss.item():.4f}", file=sys.stderr, flush=True)
     pipe: Any = StableDiffusionPipeline(
         vae=digit_vae(), text_encoder=text_encoder, tokenizer=tokenizer, unet=unet.eval(),
-        scheduler=DDIMScheduler(clip_sample=False, set_alpha_to_one=False, steps_offset=1, **betas),
+        scheduler=DDIMScheduler(clip_sample=False, set_alpha_to_one=False, steps_offset=1,
+                                timestep_spacing="trailing", **betas),
         safety_checker=None, feature_extractor=None, requires_safety_checker=False,
     )
     pipe.save_pretrained(folder)
