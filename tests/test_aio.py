@@ -164,12 +164,15 @@ async def test_cancelling_the_consuming_task_stops_the_stream(call):
     stream = stopcock.astream(target, *args, on_step=pause, **kwargs)
     stream.signal.on_stop(pause.release.set)
     received = []
+    consuming = asyncio.Event()  # a task cancelled before it ever ran could not close its stream
 
     async def consume():
         async for event in stream:
             received.append(event)
+            consuming.set()
 
     task = asyncio.create_task(consume())
+    await consuming.wait()
     await pause.reached.wait_async()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -185,12 +188,15 @@ async def test_anyio_cancel_scope_stops_the_stream(call):
     stream = stopcock.astream(target, *args, on_step=pause, **kwargs)
     stream.signal.on_stop(pause.release.set)
 
+    consuming = anyio.Event()  # a task cancelled before it ever ran could not close its stream
+
     async def consume():
         async for _event in stream:
-            pass
+            consuming.set()
 
     async with anyio.create_task_group() as group:
         group.start_soon(consume)
+        await consuming.wait()
         await pause.reached.wait_async()
         group.cancel_scope.cancel()
     assert stream.outcome is not None and stream.outcome.reason == "cancelled" and stream.outcome.steps == 3
