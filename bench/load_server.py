@@ -8,8 +8,9 @@ stops its job (``POST /v1/jobs/{id}/stop``), disconnects (text only: closing the
 job), or lets it finish. It reports the stop latency, in steps (steps done after the stop request:
 the job's ``step - stop_step``) and in milliseconds (stop: request to acknowledged answer;
 disconnect: the client closing to the job's end), p50 and p99, and checks that no job is left
-running or queued, that every job ended in a final state with the right reason, and that no
-worker thread leaked. Exit status 1 if a check fails.
+running or queued, that every job ended in a final state with the right reason, that every
+stopped job ran at most one step after its stop, and that no worker thread leaked. Exit status 1
+if a check fails.
 
 ``run(quick)`` returns a :class:`bench.common.Section`, so it can join ``python -m bench``.
 """
@@ -183,6 +184,10 @@ def run(
         expected = {"stop": "user", "disconnect": "disconnected"}.get(r.action)
         if expected and state == "stopped" and reason != expected:
             problems.append(f"job {r.job} stopped for {reason!r}, expected {expected!r}")
+        if state == "stopped" and r.view.get("stop_step") is not None:
+            late = r.view["step"] - r.view["stop_step"]
+            if not 0 <= late <= 1:
+                problems.append(f"job {r.job} ({r.kind}, {r.action}) ran {late} steps after its stop")
     if any(w.is_alive() for w in workers) or leaked:
         problems.append(f"threads left after shutdown: {[t.name for t in leaked or workers]}")
 
@@ -232,18 +237,21 @@ def run(
         )
     finished = sum(r.view.get("state") == "completed" for r in records)
     checks = "all checks passed" if not problems else "FAILED: " + "; ".join(problems)
+    options = "--quick" if quick else f"--clients {clients} --requests {requests} --concurrency {concurrency}"
+    options += f" --seed {seed}"
     section = Section(
         title="Server under load",
-        intro=f"`python -m bench.load_server{' --quick' if quick else ''}`: {clients} concurrent streaming"
+        intro=f"`python -m bench.load_server {options}`: {clients} concurrent streaming"
         f" clients x {requests} requests on 127.0.0.1, concurrency {concurrency}, tiny random-weight models,"
         f" seed {seed}, {seconds:.1f} s. 'Steps after the stop' counts the steps a job completed after the"
-        " step it had reported when the stop arrived (the step in flight, plus at most one its check had"
-        " already let through). The run's stop_latency is stopcock's own (stop signal to the run's return)."
+        " step its run had reached when the stop arrived (`step - stop_step`: 1 for the step in flight)."
+        " The run's stop_latency is stopcock's own (stop signal to the run's return)."
         " Clients and server share one Python process (and its GIL), so the ms include contention.",
         tables=[table],
         notes=[
             f"{len(records)} jobs ({finished} ran to completion). Checks: no job left running or queued,"
-            f" every job in a final state with the expected reason, no worker thread left: {checks}."
+            f" every job in a final state with the expected reason, at most one step after a stop, no"
+            f" worker thread left: {checks}."
         ],
         data={"problems": problems, "records": len(records)},
     )

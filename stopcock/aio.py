@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 import weakref
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from .outcome import Outcome
-from .signal import StopSignal
-from .stream import Channel, Event, make_events, start_worker
+from .stream import Channel, Event, RunHandle, make_events, start_worker
 
 __all__ = ["AsyncStream", "arun", "astream"]
 
@@ -40,11 +40,16 @@ async def arun(target: Any, *args: Any, stop: object = None, **kwargs: Any) -> O
     return channel.result()
 
 
-class AsyncStream(AsyncIterator[Event]):
-    """The async form of :class:`stopcock.stream.Stream`; ``aclose()`` or cancelling ends the run."""
+class AsyncStream(RunHandle, AsyncIterator[Event]):
+    """The async form of :class:`stopcock.stream.Stream`; ``aclose()`` or cancelling ends the run.
 
-    def __init__(self, channel: Channel) -> None:
+    The run starts at the first ``__anext__``: a stream never iterated (its consuming task
+    cancelled before it ran, a response whose client left before its body started) runs nothing.
+    """
+
+    def __init__(self, channel: Channel, thread: threading.Thread) -> None:
         self._channel = channel
+        self._thread = thread
         self._finalizer = weakref.finalize(self, channel.abandon)
 
     def __aiter__(self) -> AsyncStream:
@@ -52,6 +57,8 @@ class AsyncStream(AsyncIterator[Event]):
 
     async def __anext__(self) -> Event:
         channel = self._channel
+        if self._thread.ident is None and not channel.finished:
+            self._thread.start()
         try:
             while True:
                 try:
@@ -71,27 +78,17 @@ class AsyncStream(AsyncIterator[Event]):
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    @property
-    def signal(self) -> StopSignal:
-        """The stream's own stop signal (``stop()`` stops it)."""
-        return self._channel.signal
-
-    @property
-    def outcome(self) -> Outcome | None:
-        """The run's Outcome once it has ended (also after ``aclose()``), else None."""
-        return self._channel.outcome
-
-    def stop(self, reason: str = "user") -> bool:
-        """Stop the run at its next step and keep streaming: the last events and Done still come."""
-        return self._channel.signal.stop(reason)
-
     async def aclose(self) -> None:
         """Stop the run (reason ``"cancelled"``) and wait, without blocking the loop, until it ended.
 
         Events not read yet are dropped; an exception the run raised and the consumer has not
-        received is raised here.
+        received is raised here. A stream closed before its first iteration never runs (its
+        ``outcome`` stays None).
         """
         self._finalizer.detach()
+        if self._thread.ident is None:  # never started: there is no run to stop
+            self._channel.abandon()
+            self._channel.finish(None, None)
         await _abandon(self._channel)
         self._channel.raise_error()
 
@@ -108,12 +105,14 @@ def astream(
 ) -> AsyncStream:
     """``stopcock.stream`` as an async iterator: ``async for event in stopcock.astream(...)``.
 
-    Same arguments and events as :func:`stopcock.stream`. Prefer ``async with stopcock.astream(...)
-    as events:`` so that leaving the block ends the run at once.
+    Same arguments and events as :func:`stopcock.stream`, but the run starts at the first
+    iteration. Prefer ``async with stopcock.astream(...) as events:`` so that leaving the block
+    ends the run at once.
     """
     events = make_events(target, kwargs, tokenizer=tokenizer, preview=preview, preview_every=preview_every)
-    channel, _ = start_worker(target, args, kwargs, stop=stop, buffer=buffer, events=events)
-    return AsyncStream(channel)
+    return AsyncStream(
+        *start_worker(target, args, kwargs, stop=stop, buffer=buffer, events=events, started=False)
+    )
 
 
 async def _until(channel: Channel, ready: Callable[[], bool]) -> None:

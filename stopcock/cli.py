@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import re
 import signal
@@ -28,7 +29,7 @@ from .runner import run
 from .signal import StopSignal
 from .state import StepState
 
-__all__ = ["main", "build_parser", "EXIT_CODES", "CliError"]
+__all__ = ["main", "build_parser", "EXIT_CODES", "CliError", "UsageError"]
 
 EXIT_COMPLETED = 0
 EXIT_ERROR = 1
@@ -39,7 +40,7 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl+C
 EXIT_CODES = {
     EXIT_COMPLETED: "completed (no stop took effect)",
     EXIT_ERROR: "error (e.g. a model that cannot be loaded)",
-    EXIT_USAGE: "bad arguments",
+    EXIT_USAGE: "bad arguments (also --steps more than the model's scheduler can plan)",
     EXIT_STOPPED: "stopped by a condition (--timeout, --stop, --max-steps, --stop-at-step)",
     EXIT_INTERRUPTED: "interrupted by Ctrl+C (once: graceful, twice: aborted)",
 }
@@ -75,7 +76,15 @@ def _epilog() -> str:
 
 
 class CliError(Exception):
-    """An error the user can fix; printed as one line, exit code 1, no traceback."""
+    """An error the user can fix; printed as one line, no traceback, exit code :attr:`exit_code`."""
+
+    exit_code = EXIT_ERROR
+
+
+class UsageError(CliError):
+    """An argument that the parser could not judge alone (e.g. more steps than the scheduler plans)."""
+
+    exit_code = EXIT_USAGE
 
 
 # -- models ------------------------------------------------------------------------------------------
@@ -129,7 +138,7 @@ def _quiet_libraries() -> Iterator[None]:
 
 
 def _load_error(spec: str, exc: BaseException) -> str:
-    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    first_line = _first_line(exc)
     if Path(spec).is_dir():
         return f"cannot load the model in {spec}: {first_line}"
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
@@ -149,6 +158,49 @@ def load_text_model(spec: str, *, quiet: bool = False) -> tuple[Any, Any]:
         tokenizer = AutoTokenizer.from_pretrained(spec)
         model = AutoModelForCausalLM.from_pretrained(spec).eval()
     return model, tokenizer
+
+
+def check_steps(pipe: Any, steps: int) -> None:
+    """Raise :class:`UsageError` before any work if the pipeline's scheduler cannot plan ``steps`` steps
+    (diffusers would raise it from inside the pipeline call). Tried on a copy of the scheduler; one that
+    cannot plan even 1 step without more arguments (e.g. ``mu`` for dynamic shifting) is left to the
+    pipeline, which passes them."""
+    import copy
+
+    scheduler = getattr(pipe, "scheduler", None)
+    if scheduler is None:
+        return
+
+    def refusal(n: int) -> ValueError | None:
+        try:
+            copy.deepcopy(scheduler).set_timesteps(n)
+        except ValueError as exc:
+            return exc
+        return None
+
+    error = refusal(steps)
+    if error is not None and refusal(1) is None:
+        raise UsageError(f"--steps {steps}: this model's {type(scheduler).__name__} cannot plan {steps} steps"
+                         f" ({_first_line(error)}): pass a smaller --steps")
+
+
+def writable(path: Path, option: str = "--out") -> Path:
+    """``path``, once it is known that a file can be written there: checked before a run, so that no
+    work is lost to a bad path."""
+    if path.is_dir():
+        raise CliError(f"{option} {path} is a folder: give a file name, e.g. {path / 'stopcock.png'}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CliError(f"cannot write {option} {path}: {_first_line(exc)}") from None
+    if not os.access(path.parent, os.W_OK):
+        raise CliError(f"cannot write {option} {path}: its folder is not writable")
+    return path
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def load_image_pipeline(spec: str, *, quiet: bool = False) -> Any:
@@ -235,22 +287,33 @@ class TextEcho:
 
 
 class CtrlC:
-    """SIGINT handling for one run (main thread only).
+    """SIGINT handling for one command (main thread only), by the phase it is in.
 
-    First press: ``stop.stop("interrupted")``. The run is in finish mode, so it ends at the next
-    step boundary and the library builds its normal (partial) output, which the CLI saves.
-    Second press: raise ``KeyboardInterrupt`` from the handler. A run started in finish mode has no
-    block hooks to abort through, so the exception itself abandons the step in flight, wherever
-    the main thread is (inside the model forward, or in the VAE decode); the adapters' cleanup
-    runs on the way out. The CLI then reports mode "abort" with what the last finished step
-    produced (:func:`abandoned`). Both presses write a line to stderr at once.
+    ``"loading"`` (before the run): ``KeyboardInterrupt`` at once; there is nothing to keep, and the
+    command reports that it was interrupted at step 0 (:func:`not_started`).
+    ``"running"``: the first press calls ``stop.stop("interrupted")``. The run is in finish mode, so it
+    ends at the next step boundary and the library builds its normal (partial) output, which the CLI
+    saves. The second press raises ``KeyboardInterrupt`` from the handler. A run started in finish
+    mode has no block hooks to abort through, so the exception itself abandons the step in flight,
+    wherever the main thread is (inside the model forward, or in the VAE decode); the adapters'
+    cleanup runs on the way out. The CLI then reports mode "abort" with what the last finished step
+    produced (:func:`abandoned`).
+    ``"ended"`` (saving and reporting the result): a press is acknowledged and otherwise ignored, so
+    the saved file and the JSON are never cut off half-written.
+    Presses during the run and after it write a line to stderr at once.
     """
 
-    def __init__(self, stop: StopSignal) -> None:
-        self.stop = stop
-        self.presses = 0
+    def __init__(self) -> None:
+        self.stop = StopSignal()
+        self.presses = 0  # during the run
+        self.phase = "loading"
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if self.phase == "loading":
+            raise KeyboardInterrupt
+        if self.phase == "ended":
+            _say("\nstopcock: the run has ended: saving and reporting its result first\n")
+            return
         self.presses += 1
         if self.presses == 1:
             self.stop.stop(INTERRUPTED)
@@ -280,20 +343,19 @@ def _say(message: str) -> None:
 
 
 def run_interruptible(
-    target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, conditions: list[Condition], mode: str,
-    progress: Progress,
+    target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, ctrl_c: CtrlC, conditions: list[Condition],
+    mode: str, progress: Progress,
 ) -> Outcome:
-    """``stopcock.run`` with Ctrl+C wired to a stop signal (see :class:`CtrlC`)."""
-    stop = StopSignal()
-    ctrl_c = CtrlC(stop)
+    """``stopcock.run`` with Ctrl+C wired to a stop signal (see :class:`CtrlC`, installed by the caller)."""
+    ctrl_c.phase = "running"
     try:
-        with ctrl_c.installed():
-            return run(target, *args, stop=[stop, *conditions], mode=mode, on_step=progress, **kwargs)
+        return run(target, *args, stop=[ctrl_c.stop, *conditions], mode=mode, on_step=progress, **kwargs)
     except KeyboardInterrupt:
         if ctrl_c.presses < 2:
             raise
-        return abandoned(progress, stop)
+        return abandoned(progress, ctrl_c.stop)
     finally:
+        ctrl_c.phase = "ended"
         progress.close()
 
 
@@ -315,6 +377,13 @@ def abandoned(progress: Progress, stop: StopSignal) -> Outcome:
         f" {last.step} finished steps produced",
         extra={"input_ids": last.input_ids},
     )
+
+
+def not_started(mode: str, started: float) -> Outcome:
+    """The Outcome of a command interrupted by Ctrl+C before its run began (loading the model)."""
+    return Outcome(stopped=True, reason=INTERRUPTED, steps=0, total_steps=None,
+                   elapsed=time.monotonic() - started, stop_latency=None, output=None, mode=mode,
+                   detail="Ctrl+C while loading the model: nothing was generated")
 
 
 # -- reporting ---------------------------------------------------------------------------------------
@@ -376,22 +445,31 @@ def _progress_style(args: argparse.Namespace, echoing: bool) -> str:
 
 
 def cmd_text(args: argparse.Namespace) -> int:
+    started = time.monotonic()
     model_spec = resolve_model(args.model, "text")
-    model, tokenizer = load_text_model(model_spec, quiet=args.model is None)
-    inputs = tokenizer(args.prompt, return_tensors="pt")
-    prompt_length = inputs["input_ids"].shape[1]
-    echo = None if args.json else TextEcho(tokenizer, prompt_length, sys.stdout)
-    progress = Progress(_progress_style(args, echoing=echo is not None), unit="token", echo=echo)
-    outcome = run_interruptible(
-        model, (), {**inputs, "max_new_tokens": args.max_new_tokens, "tokenizer": tokenizer},
-        conditions=_conditions(args), mode=args.mode, progress=progress,
-    )
-    if echo is not None:
-        echo.finish()
-    ids = outcome.output if outcome.output is not None else outcome.extra.get("input_ids")
-    text = "" if ids is None else tokenizer.decode(ids[0, prompt_length:], skip_special_tokens=True)
-    return report(outcome, {"command": "text", "model": model_spec, "text": text}, as_json=args.json,
-                  unit="token")
+    with CtrlC().installed() as ctrl_c:
+        try:
+            model, tokenizer = load_text_model(model_spec, quiet=args.model is None)
+            inputs = tokenizer(args.prompt, return_tensors="pt")
+        except KeyboardInterrupt:
+            fields = {"command": "text", "model": model_spec, "text": ""}
+            return report(not_started(args.mode, started), fields, as_json=args.json, unit="token")
+        prompt_length = inputs["input_ids"].shape[1]
+        if prompt_length == 0:
+            raise UsageError(f"--prompt {args.prompt!r} is no tokens for this model's tokenizer: give some"
+                             " text")
+        echo = None if args.json else TextEcho(tokenizer, prompt_length, sys.stdout)
+        progress = Progress(_progress_style(args, echoing=echo is not None), unit="token", echo=echo)
+        outcome = run_interruptible(
+            model, (), {**inputs, "max_new_tokens": args.max_new_tokens, "tokenizer": tokenizer},
+            ctrl_c=ctrl_c, conditions=_conditions(args), mode=args.mode, progress=progress,
+        )
+        if echo is not None:
+            echo.finish()
+        ids = outcome.output if outcome.output is not None else outcome.extra.get("input_ids")
+        text = "" if ids is None else tokenizer.decode(ids[0, prompt_length:], skip_special_tokens=True)
+        return report(outcome, {"command": "text", "model": model_spec, "text": text}, as_json=args.json,
+                      unit="token")
 
 
 def save_png(image: Any, path: Path, metadata: dict[str, Any]) -> None:
@@ -400,8 +478,11 @@ def save_png(image: Any, path: Path, metadata: dict[str, Any]) -> None:
 
     info = PngInfo()
     info.add_text("stopcock", json.dumps(metadata))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    image.save(path, pnginfo=info)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        image.save(path, pnginfo=info)
+    except OSError as exc:
+        raise CliError(f"cannot write {path}: {_first_line(exc)}") from None
 
 
 def image_of(outcome: Outcome) -> tuple[Any, str | None]:
@@ -424,27 +505,35 @@ def image_of(outcome: Outcome) -> tuple[Any, str | None]:
 def cmd_image(args: argparse.Namespace) -> int:
     import torch
 
+    started = time.monotonic()
     model_spec = resolve_model(args.model, "image")
-    pipe = load_image_pipeline(model_spec, quiet=args.model is None)
-    progress = Progress(_progress_style(args, echoing=False))
-    kwargs: dict[str, Any] = {
-        "num_inference_steps": args.steps,
-        "generator": torch.Generator("cpu").manual_seed(args.seed),
-        "partial": args.partial,
-    }
-    outcome = run_interruptible(pipe, (args.prompt,), kwargs, conditions=_conditions(args), mode=args.mode,
-                                progress=progress)
-    image, kind = image_of(outcome)
-    out = Path(args.out) if image is not None else None
-    fields = {"command": "image", "model": model_spec, "file": None if out is None else str(out),
-              "image": kind, "seed": args.seed}
-    if out is not None:
-        save_png(image, out, {**outcome.summary(), "exit_code": exit_code(outcome), "image": kind,
-                              "prompt": args.prompt, "model": model_spec, "seed": args.seed})
-    if not args.json:
-        saved = f"saved the {kind} image to {out}" if out is not None else "no image to save"
-        print(f"stopcock: {saved}", file=sys.stderr)
-    return report(outcome, fields, as_json=args.json, unit="step")
+    out = writable(Path(args.out))
+    with CtrlC().installed() as ctrl_c:
+        try:
+            pipe = load_image_pipeline(model_spec, quiet=args.model is None)
+        except KeyboardInterrupt:
+            return report(not_started(args.mode, started), {"command": "image", "model": model_spec,
+                                                            "file": None, "image": None, "seed": args.seed},
+                          as_json=args.json, unit="step")
+        check_steps(pipe, args.steps)
+        progress = Progress(_progress_style(args, echoing=False))
+        kwargs: dict[str, Any] = {
+            "num_inference_steps": args.steps,
+            "generator": torch.Generator("cpu").manual_seed(args.seed),
+            "partial": args.partial,
+        }
+        outcome = run_interruptible(pipe, (args.prompt,), kwargs, ctrl_c=ctrl_c, conditions=_conditions(args),
+                                    mode=args.mode, progress=progress)
+        image, kind = image_of(outcome)
+        fields = {"command": "image", "model": model_spec, "file": None if image is None else str(out),
+                  "image": kind, "seed": args.seed}
+        if image is not None:
+            save_png(image, out, {**outcome.summary(), "exit_code": exit_code(outcome), "image": kind,
+                                  "prompt": args.prompt, "model": model_spec, "seed": args.seed})
+        if not args.json:
+            saved = f"saved the {kind} image to {out}" if image is not None else "no image to save"
+            print(f"stopcock: {saved}", file=sys.stderr)
+        return report(outcome, fields, as_json=args.json, unit="step")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -456,13 +545,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # -- parser ------------------------------------------------------------------------------------------
 
 
-def _number(kind: Callable[[str], Any], minimum: float, what: str) -> Callable[[str], Any]:
+def _number(kind: Callable[[str], Any], minimum: float, what: str, maximum: float = math.inf
+            ) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-        if not value >= minimum:
+        if not minimum <= value <= maximum:
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
         return value
 
@@ -472,6 +562,7 @@ def _number(kind: Callable[[str], Any], minimum: float, what: str) -> Callable[[
 _SECONDS = _number(float, 0.0, "a number of seconds >= 0")
 _COUNT = _number(int, 1, "an integer >= 1")
 _STEP = _number(int, 0, "an integer >= 0")
+_SEED = _number(int, 0, "a seed: an integer from 0 to 2**64 - 1", maximum=2**64 - 1)
 
 
 def _add_common(p: argparse.ArgumentParser, model_kind: str) -> None:
@@ -520,7 +611,7 @@ def build_parser() -> argparse.ArgumentParser:
     image.add_argument("--partial", choices=("denoised", "raw"), default="denoised",
                        help="a stopped image shows the model's estimate of the clean image (denoised,"
                             " default) or the noisy latents as they were (raw)")
-    image.add_argument("--seed", type=int, default=0)
+    image.add_argument("--seed", type=_SEED, default=0, metavar="N", help="default 0")
     image.set_defaults(func=cmd_image)
 
     from .server.serve import add_parser as add_serve_parser  # owned by the server; cheap to import
@@ -539,11 +630,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except CliError as exc:
         print(f"stopcock: error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
+        return exc.exit_code
     except KeyboardInterrupt:
         print("stopcock: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # ``python -m stopcock.cli`` runs this file as ``__main__``, a second copy of the module beside the
+    # ``stopcock.cli`` that the rest of the package imports (whose CliError the server raises): run the
+    # real one's main, so that one set of classes is in play.
+    from stopcock.cli import main as package_main
+
+    sys.exit(package_main())

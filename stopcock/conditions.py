@@ -207,6 +207,8 @@ class When(Condition):
     def __init__(self, predicate: Callable[[StepState], Any], reason: str = "condition") -> None:
         if not callable(predicate):
             raise TypeError(f"when() needs a callable taking a StepState, got {predicate!r}")
+        if not isinstance(reason, str) or not reason:  # checked now, not when the stop comes mid-run
+            raise TypeError(f"when() needs a non-empty str reason=, got {reason!r}")
         self.predicate = predicate
         self.reason = reason
 
@@ -252,7 +254,8 @@ def as_condition(stop: object) -> Condition:
         return Signalled(stop)
     if isinstance(stop, (list, tuple)) and stop:
         return AnyOf(*(as_condition(s) for s in stop))
+    got = f"an empty {type(stop).__name__}" if isinstance(stop, (list, tuple)) else type(stop).__name__
     raise TypeError(
         "stop= accepts a stopcock.StopSignal, a condition (stopcock.timeout, deadline, max_steps,"
-        f" stop_strings, when, combined with | and &), or a list of these; got {type(stop).__name__}"
+        f" stop_strings, when, combined with | and &), or a non-empty list of these; got {got}"
     )

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .cli import describe, load_image_pipeline, load_text_model, resolve_model, save_png
+from .cli import describe, load_image_pipeline, load_text_model, resolve_model, save_png, writable
 from .conditions import max_steps, stop_strings, timeout
 from .outcome import Outcome
 from .runner import run
@@ -129,6 +129,7 @@ def side_by_side(panels: list[tuple[str, Any]], scale: int = 8) -> Any:
 
 def run_demo(out: Path) -> int:
     """Run the whole demo; 0 if every run ended as it must, else 1."""
+    writable(out)  # a bad --out fails now, not after the runs
     print("stopcock demo: every stop path, offline, on tiny models")
     for kind, description in DESCRIPTIONS.items():
         print(f"  {kind} model: {description}")

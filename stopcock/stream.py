@@ -1,8 +1,9 @@
 """Stream a run as events: text as it is generated, diffusion steps with optional previews.
 
 ``stopcock.stream(target, *args, stop=..., **kwargs)`` runs :func:`stopcock.run` in a worker thread
-and yields events as the run makes progress (``stopcock.astream`` is the async form). The events,
-stable names:
+and yields events as the run makes progress. ``stopcock.astream`` is the async form; it starts its
+run at the first iteration, so a stream that is never iterated runs nothing. The events, stable
+names:
 
 - :class:`TextChunk` ``(text, step, row)``: new text of one generated row (transformers), decoded
   incrementally: a character split across tokens comes out whole, once complete; chunks of a row
@@ -379,12 +380,15 @@ def start_worker(
     stop: object = None,
     buffer: int = 64,
     events: _Events | None = None,
+    started: bool = True,
 ) -> tuple[Channel, threading.Thread]:
-    """Start ``stopcock.run(target, *args, **kwargs)`` in a worker thread feeding a new channel.
+    """``stopcock.run(target, *args, **kwargs)`` in a worker thread feeding a new channel.
 
     The run stops when the user's ``stop`` does or when the channel's own signal does. With
     ``events``, each step's events go through the channel; else only the end does. Bad arguments
     that can be seen before the run (the target, ``stop=``) raise here, in the caller's thread.
+    With ``started=False`` the thread is returned not started: the caller starts it, or calls
+    ``channel.finish(None, None)`` if it never will.
     """
     if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 1:
         raise ValueError(f"buffer must be an int >= 1 (events held for a slow consumer), got {buffer!r}")
@@ -414,7 +418,8 @@ def start_worker(
             channel.finish(outcome, error)
 
     thread = threading.Thread(target=work, name=f"stopcock-worker-{id(channel):x}", daemon=True)
-    thread.start()
+    if started:
+        thread.start()
     return channel, thread
 
 
@@ -480,7 +485,27 @@ def _leave(channel: Channel, thread: threading.Thread) -> None:
         thread.join()
 
 
-class Stream(Iterator[Event]):
+class RunHandle:
+    """What a sync or async stream shares: its run's stop signal, ``stop()`` and Outcome."""
+
+    _channel: Channel
+
+    @property
+    def signal(self) -> StopSignal:
+        """The stream's own stop signal (``stop()`` stops it)."""
+        return self._channel.signal
+
+    @property
+    def outcome(self) -> Outcome | None:
+        """The run's Outcome once it has ended (also after the stream was closed), else None."""
+        return self._channel.outcome
+
+    def stop(self, reason: str = "user") -> bool:
+        """Stop the run at its next step and keep streaming: the last events and Done still come."""
+        return self._channel.signal.stop(reason)
+
+
+class Stream(RunHandle, Iterator[Event]):
     """A running stream: iterate for events; ``stop()``, ``close()`` or leave to end it."""
 
     def __init__(self, channel: Channel, thread: threading.Thread) -> None:
@@ -505,20 +530,6 @@ class Stream(Iterator[Event]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    @property
-    def signal(self) -> StopSignal:
-        """The stream's own stop signal (``stop()`` stops it)."""
-        return self._channel.signal
-
-    @property
-    def outcome(self) -> Outcome | None:
-        """The run's Outcome once it has ended (also after ``close()``), else None."""
-        return self._channel.outcome
-
-    def stop(self, reason: str = "user") -> bool:
-        """Stop the run at its next step and keep streaming: the last events and Done still come."""
-        return self._channel.signal.stop(reason)
 
     def close(self) -> None:
         """Stop the run (reason ``"cancelled"``) and wait until its worker has ended.

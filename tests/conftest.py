@@ -57,6 +57,25 @@ def image_pipe(image_model_dir):
     return pipe
 
 
+@pytest.fixture(scope="session")
+def server_backends(text_pipe, image_pipe):
+    """The generation service's backends over the tiny models ("tiny-text", "tiny-sd")."""
+    from stopcock.server.backends import ImageBackend, TextBackend
+
+    return {"text": TextBackend(text_pipe, "tiny-text"), "image": ImageBackend(image_pipe, "tiny-sd")}
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread for a module's tests (servers run several workers on few cores)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def count_forwards():
     """``count_forwards(*modules)``: a dict counting each module's completed forward calls, by module."""

@@ -235,3 +235,28 @@ async def test_a_second_cancellation_does_not_cut_the_wait_short(text_call):
     with pytest.raises(asyncio.CancelledError):
         await task
     assert pause.steps == [1, 2, 3] and pause.worker_ended()
+
+
+async def test_a_stream_never_iterated_runs_nothing(text_call):
+    (target,), kwargs = text_call
+    steps: list[int] = []
+    stream = stopcock.astream(target, on_step=lambda state: steps.append(state.step), **kwargs)
+
+    async def consume():
+        async for _event in stream:
+            pass
+
+    task = asyncio.create_task(consume())
+    task.cancel()  # before the task ever ran: its stream is never iterated
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await stream.aclose()  # nothing to stop: returns at once
+    assert stream.outcome is None and stream.signal.reason == "cancelled"
+    assert [e async for e in stream] == []  # closed: it can no longer start
+    assert steps == [] and stream._thread.ident is None  # the worker thread was never started
+    # a stream that is iterated starts its run then, and a stop asked before that is honoured
+    early = stopcock.astream(target, **kwargs)
+    early.stop("early")
+    events = [e async for e in early]
+    assert [type(e) for e in events] == [Done] and events[0].outcome.reason == "early"
+    assert events[0].outcome.steps == 0

@@ -30,25 +30,49 @@ from stopcock.cli import (
     main,
 )
 
-# The gate, run in the child before the CLI. CLI_TEST_GATE="hold:CLASS:N" blocks the N-th forward
-# of a module of class CLASS until a line arrives on stdin; "slow:CLASS:SECONDS" makes every forward
-# of CLASS take at least SECONDS (a slow model, for the timeout test).
+# The gate, run in the child before the CLI: CLI_TEST_GATE holds comma-separated specs.
+# "hold:CLASS:N" blocks the N-th forward of a module of class CLASS until a line arrives on stdin;
+# "slow:CLASS:SECONDS" makes every forward of CLASS take at least SECONDS (a slow model, for the
+# timeout test); "load:CLASS:-" blocks transformers' CLASS.from_pretrained (model loading) and
+# "save:-:-" blocks PIL's Image.save the same way, then each goes on.
 GATE = """
 import os, sys, time
 from torch.nn.modules.module import register_module_forward_pre_hook
-mode, cls, arg = os.environ["CLI_TEST_GATE"].split(":")
-calls = 0
-def gate(module, args):
-    global calls
-    if type(module).__name__ != cls:
-        return
-    calls += 1
-    if mode == "slow":
-        time.sleep(float(arg))
-    elif calls == int(arg):
-        print(f"gate: holding forward {calls}", file=sys.stderr, flush=True)
-        sys.stdin.readline()
-register_module_forward_pre_hook(gate)
+
+def hold(what):
+    print(f"gate: holding {what}", file=sys.stderr, flush=True)
+    sys.stdin.readline()
+
+def held(owner, name, what):
+    real = getattr(owner, name)
+    def call(*args, **kwargs):
+        hold(what)
+        return real(*args, **kwargs)
+    setattr(owner, name, call)
+
+def forward_gate(mode, cls, arg):
+    calls = 0
+    def gate(module, args):
+        nonlocal calls
+        if type(module).__name__ != cls:
+            return
+        calls += 1
+        if mode == "slow":
+            time.sleep(float(arg))
+        elif calls == int(arg):
+            hold(f"forward {calls}")
+    register_module_forward_pre_hook(gate)
+
+for spec in os.environ["CLI_TEST_GATE"].split(","):
+    mode, cls, arg = spec.split(":")
+    if mode == "load":
+        import transformers
+        held(getattr(transformers, cls), "from_pretrained", "the load")
+    elif mode == "save":
+        from PIL import Image
+        held(Image.Image, "save", "the save")
+    else:
+        forward_gate(mode, cls, arg)
 from stopcock.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -81,7 +105,7 @@ def child_env(gate: str | None = None) -> dict[str, str]:
 
 
 def cli(*args: str, gate: str | None = None) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-c", GATE] if gate else [sys.executable, "-m", "stopcock.cli"]
+    command = [sys.executable, "-c", GATE] if gate else [sys.executable, "-m", "stopcock"]
     return subprocess.run([*command, *args], capture_output=True, text=True, env=child_env(gate),
                           timeout=600, stdin=subprocess.DEVNULL)
 
@@ -170,6 +194,7 @@ def test_exit_codes_are_distinct():
         (["text", "--prompt", "x", "--mode", "fast"], "--mode"),
         (["image", "--prompt", "x", "--steps", "many"], "--steps"),
         (["image", "--prompt", "x", "--partial", "half"], "--partial"),
+        (["image", "--prompt", "x", "--seed", str(2**64)], "--seed"),
         (["frobnicate"], "frobnicate"),
         ([], "COMMAND"),
     ],
@@ -193,6 +218,40 @@ def test_hub_id_offline_is_a_clear_error(run_main):
     assert code == EXIT_ERROR
     assert "'no-such-org/no-such-model' is not a local folder" in err
     assert "HF_HUB_OFFLINE is set" in err
+
+
+def test_steps_the_scheduler_cannot_plan_is_a_usage_error(run_main, tmp_path):
+    out = tmp_path / "never.png"
+    code, stdout, err = run_main("image", "--prompt", "7", "--steps", "5000", "--out", str(out))
+    assert code == EXIT_USAGE and stdout == ""
+    assert "--steps 5000: this model's DDIMScheduler cannot plan 5000 steps" in err
+    assert "pass a smaller --steps" in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_an_empty_prompt_is_a_usage_error(run_main):
+    code, stdout, err = run_main("text", "--prompt", "", "--json")
+    assert code == EXIT_USAGE and stdout == ""
+    assert "--prompt '' is no tokens" in err and "Traceback" not in err
+
+
+def test_an_out_path_that_cannot_be_written_fails_before_the_run(run_main, tmp_path):
+    code, stdout, err = run_main("image", "--prompt", "7", "--out", str(tmp_path), "--progress", "lines")
+    assert code == EXIT_ERROR and stdout == ""
+    assert f"--out {tmp_path} is a folder" in err and "step " not in err  # no step was run
+
+
+def test_python_m_stopcock_cli_is_the_same_cli_as_python_m_stopcock(tmp_path):
+    """``python -m stopcock.cli`` runs the module a second time as __main__; a CliError raised by the rest
+    of the package (here the demo's check of --out) must still be a clear error, not a traceback."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for module in ("stopcock", "stopcock.cli"):
+        result = subprocess.run([sys.executable, "-m", module, "demo", "--out", str(blocker / "demo.png")],
+                                capture_output=True, text=True, env=child_env(), timeout=600)
+        assert result.returncode == EXIT_ERROR, result.stderr
+        assert f"stopcock: error: cannot write --out {blocker / 'demo.png'}" in result.stderr
+        assert "Traceback" not in result.stderr and "stopcock demo:" not in result.stdout
 
 
 def test_folder_of_the_wrong_kind_is_a_clear_error(run_main, tmp_path):
@@ -268,6 +327,17 @@ def test_text_ctrl_c_twice_aborts_inside_the_forward(zen_text):
     assert report["text"] == zen_text(3)  # what the finished tokens made; the fourth never came
 
 
+def test_text_ctrl_c_while_loading_still_prints_the_json():
+    run = Held(["text", "--prompt", PROMPT, "--json"], "load:AutoModelForCausalLM:-")
+    run.wait_for("gate: holding the load")
+    run.interrupt()
+    code, out, err = run.finish()
+    report = json.loads(out)  # stdout holds exactly one JSON object
+    assert code == EXIT_INTERRUPTED == report["exit_code"]
+    assert (report["reason"], report["stopped"], report["steps"], report["text"]) == ("interrupted", True, 0, "")
+    assert "while loading the model" in report["detail"] and "Traceback" not in err
+
+
 # -- image -----------------------------------------------------------------------------------------
 
 
@@ -287,7 +357,9 @@ def test_image_stop_at_step_progress_lines(run_main, tmp_path):
     code, _, err = run_main("image", "--prompt", "7", "--steps", "20", "--stop-at-step", "3", "--partial",
                             "raw", "--progress", "lines", "--out", str(out))
     assert code == EXIT_STOPPED, err
-    assert [line for line in err.splitlines() if line.startswith("step ")][-1].startswith("step 3/20")
+    lines = [line for line in err.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["1/20", "2/20", "3/20"]  # one line per step, then it stops
+    assert all(" eta " in line for line in lines)
     assert "saved the partial image" in err
     meta = png_metadata(out)
     assert (meta["reason"], meta["steps"], meta["total_steps"]) == ("max_steps", 3, 20)
@@ -297,10 +369,14 @@ def test_image_stop_at_step_progress_lines(run_main, tmp_path):
 def test_image_ctrl_c_once_saves_the_partial_image(tmp_path):
     out = tmp_path / "interrupted.png"
     run = Held(["image", "--prompt", "7", "--steps", "200", "--out", str(out), "--json"],
-               "hold:UNet2DConditionModel:3")
+               "hold:UNet2DConditionModel:3,save:-:-")
     run.wait_for("gate: holding forward 3")
     run.interrupt()
     run.wait_for(ACK_ONCE)
+    run.release()
+    run.wait_for("gate: holding the save")
+    run.interrupt()  # an impatient second press once the run has ended must not cut the saving short
+    run.wait_for("saving and reporting its result first")
     run.release()
     code, stdout, _ = run.finish()
     report = json.loads(stdout)

@@ -16,7 +16,7 @@ from stopcock.tiny import demo
 def test_demo_command_shows_every_stop_path(tmp_path):
     out = tmp_path / "demo.png"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "stopcock.cli", "demo", "--out", str(out)], env=env,
+    result = subprocess.run([sys.executable, "-m", "stopcock", "demo", "--out", str(out)], env=env,
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout

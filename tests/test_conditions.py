@@ -96,6 +96,8 @@ def test_as_condition_normalises_and_rejects_clearly():
     for bad in (5, "stop", object(), [], [5]):
         with pytest.raises(TypeError, match="StopSignal"):
             as_condition(bad)
+    with pytest.raises(TypeError, match="got an empty list"):
+        as_condition([])
 
 
 @pytest.mark.parametrize(
@@ -109,6 +111,8 @@ def test_as_condition_normalises_and_rejects_clearly():
         (lambda: stopcock.stop_strings([]), ValueError),
         (lambda: stopcock.stop_strings([""]), ValueError),
         (lambda: stopcock.when(42), TypeError),
+        (lambda: stopcock.when(bool, reason=""), TypeError),
+        (lambda: stopcock.when(bool, reason=None), TypeError),
     ],
 )
 def test_bad_arguments_raise_clear_errors(make, error):

@@ -155,6 +155,18 @@ def test_a_stop_in_the_second_stage_of_a_combined_pipeline(count_forwards):
     assert [s.total for s in states] == [3, 3, 3, 7, 7]
 
 
+def test_sdxl_denoising_end_counts_only_the_steps_it_runs(count_forwards):
+    """SDXL's ``denoising_end`` cuts the loop short while the scheduler keeps the full schedule."""
+    pipe = tiny.sdxl_pipeline()
+    counts = count_forwards(pipe.unet)
+    states = []
+    outcome = stopcock.run(pipe, "a cat", num_inference_steps=4, denoising_end=0.5, output_type="latent",
+                           generator=torch.Generator().manual_seed(0), on_step=states.append)
+    assert not outcome.stopped and len(pipe.scheduler.timesteps) == 4
+    assert 0 < counts[pipe.unet] == outcome.steps == outcome.total_steps == len(states) < 4
+    assert {s.total for s in states} == {outcome.total_steps}
+
+
 class TwoStreams(DiffusionPipeline):
     """An unknown, home-made pipeline: two schedulers step side by side in one loop, no callbacks."""
 
@@ -191,23 +203,31 @@ def test_an_unknown_pipeline_with_two_schedulers_in_one_loop(count_forwards, mod
 
 
 class FlagOnly(DiffusionPipeline):
-    """Shaped like category C (HunyuanVideo 1.5, LongCat-Image): checks interrupt, takes no callback."""
+    """The loop of category C (LongCatImagePipeline, HunyuanVideo15Pipeline), on a tiny UNet: it resets
+    and checks ``interrupt`` but takes no callback. The real ones need a Qwen2.5-VL text encoder."""
 
     def __init__(self, unet, scheduler):
         super().__init__()
         self.register_modules(unet=unet, scheduler=scheduler)
+
+    @property
+    def interrupt(self):
+        return self._interrupt
 
     @torch.no_grad()
     def __call__(self, num_inference_steps=4, generator=None):
         self._interrupt = False
         sample = torch.randn((1, 3, 16, 16), generator=generator)
         self.scheduler.set_timesteps(num_inference_steps)
+        self._num_timesteps = len(self.scheduler.timesteps)
         for t in self.scheduler.timesteps:
-            if self._interrupt:
+            if self.interrupt:
                 continue
             noise = self.unet(sample, t).sample
-            sample = self.scheduler.step(noise, t, sample, generator=generator).prev_sample
-        return {"decoded": sample.clamp(-1, 1)}
+            sample = self.scheduler.step(noise, t, sample, generator=generator, return_dict=False)[0]
+        decoded = sample.clamp(-1, 1)  # stands for the VAE decode
+        self.maybe_free_model_hooks()
+        return {"decoded": decoded}
 
 
 def test_a_flag_only_pipeline_finishes_natively_without_a_callback(monkeypatch, count_forwards):
@@ -215,6 +235,9 @@ def test_a_flag_only_pipeline_finishes_natively_without_a_callback(monkeypatch, 
 
     from stopcock.adapters import diffusers as adapter
 
+    category_c = {"LongCatImagePipeline", "LongCatImageEditPipeline", "HunyuanVideo15Pipeline",
+                  "HunyuanVideo15ImageToVideoPipeline"}
+    assert category_c <= adapter._interrupt_classes()  # the real ones take this path
     monkeypatch.setattr(adapter, "_interrupt_classes", lambda: frozenset({"FlagOnly"}))
     pipe = FlagOnly(tiny.ddpm_pipeline().unet, DDPMScheduler())
     calls = count_forwards(pipe.unet)
@@ -222,5 +245,42 @@ def test_a_flag_only_pipeline_finishes_natively_without_a_callback(monkeypatch, 
     outcome = stopcock.run(pipe, num_inference_steps=4, generator=torch.Generator().manual_seed(0),
                            stop=stopcock.max_steps(2), partial="denoised", on_step=states.append)
     assert outcome.mode == "finish" and outcome.extra["path"] == "interrupt" and calls[pipe.unet] == 2
+    assert outcome.steps == 2 and outcome.total_steps == 4 and outcome.partial == "denoised"
     torch.testing.assert_close(outcome.output["decoded"], states[-1].extra["denoised"].clamp(-1, 1))
     assert not pipe._interrupt
+
+
+class CogVideoXStyle(DiffusionPipeline):
+    """Steps ``CogVideoXDPMScheduler`` exactly as CogVideoX's pipelines do: its ``step`` takes the previous
+    x0 estimate and timestep before the sample, so step arguments must be read by name."""
+
+    def __init__(self, unet, scheduler):
+        super().__init__()
+        self.register_modules(unet=unet, scheduler=scheduler)
+
+    @torch.no_grad()
+    def __call__(self, num_inference_steps=4, generator=None):
+        latents = torch.randn((1, 3, 16, 16), generator=generator)
+        self.scheduler.set_timesteps(num_inference_steps)
+        timesteps, old_pred_original_sample = self.scheduler.timesteps, None
+        for i, t in enumerate(timesteps):
+            noise_pred = self.unet(latents, t).sample
+            latents, old_pred_original_sample = self.scheduler.step(
+                noise_pred, old_pred_original_sample, t, timesteps[i - 1] if i > 0 else None, latents,
+                generator=generator, return_dict=False,
+            )
+        return latents
+
+
+def test_a_scheduler_whose_step_takes_other_arguments_first(count_forwards):
+    from diffusers import CogVideoXDPMScheduler
+
+    pipe = CogVideoXStyle(tiny.ddpm_pipeline().unet, CogVideoXDPMScheduler())
+    calls = count_forwards(pipe.unet)
+    states = []
+    outcome = stopcock.run(pipe, num_inference_steps=4, generator=torch.Generator().manual_seed(0),
+                           stop=stopcock.max_steps(2), mode="abort", on_step=states.append)
+    assert outcome.steps == 2 and outcome.total_steps == 4 and calls[pipe.unet] == 2
+    assert [s.timestep for s in states] == list(pipe.scheduler.timesteps[:2])
+    torch.testing.assert_close(outcome.latents, states[-1].latents, rtol=0, atol=0)
+    assert states[-1].extra["denoised"].shape == outcome.latents.shape

@@ -88,7 +88,11 @@ def test_model_cpu_offload_survives_a_stop(mode, count_forwards):
     reference = offloaded_sd()(**sd_kwargs()).images
     pipe = offloaded_sd()
     calls = count_forwards(pipe.unet)
+    armed = list(pipe._all_hooks)
     outcome = stopcock.run(pipe, **sd_kwargs(), stop=stopcock.max_steps(2), mode=mode)
     assert outcome.steps == 2 and calls[pipe.unet] == 2 and outcome.mode == mode
     assert (outcome.output is None) == (mode == "abort")
+    # Offload was re-armed (maybe_free_model_hooks: fresh hooks), as after a plain call: on "cpu" the
+    # images cannot show it, on an accelerator the last model would otherwise stay on the device.
+    assert pipe._all_hooks and not any(h in armed for h in pipe._all_hooks)
     assert (pipe(**sd_kwargs()).images == reference).all()

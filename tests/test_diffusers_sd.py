@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from diffusers.callbacks import MultiPipelineCallbacks, SDCFGCutoffCallback
+from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback, SDCFGCutoffCallback
 
 import stopcock
 import stopcock.adapters.diffusers
@@ -22,6 +22,12 @@ STEPS = 6
 def sd():
     torch.set_num_threads(1)
     return tiny.stable_diffusion_pipeline()
+
+
+@pytest.fixture(scope="module")
+def lcm():
+    """Category B: stopped through hooks."""
+    return tiny.lcm_pipeline()
 
 
 def kwargs(**extra):
@@ -122,6 +128,18 @@ def test_a_stop_inside_a_block(sd, count_forwards, mode):
     assert_clean(sd)
 
 
+@pytest.mark.parametrize("mode", ["finish", "abort"])
+def test_abort_runs_no_decode_and_no_safety_checker(count_forwards, mode):
+    pipe = tiny.stable_diffusion_pipeline(with_safety_checker=True)
+    calls = count_forwards(pipe.unet, pipe.vae.decoder, pipe.safety_checker)
+    outcome = stopcock.run(pipe, **kwargs(), stop=stopcock.max_steps(2), mode=mode)
+    assert outcome.steps == 2 and calls[pipe.unet] == 2 and outcome.mode == mode
+    after_the_loop = 0 if mode == "abort" else 1
+    assert calls[pipe.vae.decoder] == calls[pipe.safety_checker] == after_the_loop
+    assert (outcome.output is None) == (mode == "abort")
+    assert_clean(pipe)
+
+
 def test_stopped_before_the_first_step_calls_nothing(sd, count_forwards):
     calls = count_forwards(sd.unet, sd.text_encoder)
     signal = stopcock.StopSignal()
@@ -130,6 +148,20 @@ def test_stopped_before_the_first_step_calls_nothing(sd, count_forwards):
     assert outcome.stopped and outcome.steps == 0 and outcome.output is None
     assert "before the first step" in outcome.detail
     assert calls[sd.unet] == calls[sd.text_encoder] == 0
+
+
+class RecordSteps(PipelineCallback):
+    """A user's ``PipelineCallback`` asking for the latents."""
+
+    tensor_inputs = ["latents"]
+
+    def __init__(self):
+        super().__init__()
+        self.steps = []
+
+    def callback_fn(self, pipeline, step_index, timestep, callback_kwargs):
+        self.steps.append((step_index, sorted(callback_kwargs)))
+        return callback_kwargs
 
 
 def test_user_callbacks_compose(sd):
@@ -145,14 +177,23 @@ def test_user_callbacks_compose(sd):
     assert outcome.steps == 3 and [i for i, _ in seen] == [0, 1, 2]
     assert all(keys == ["latents", "prompt_embeds"] for _, keys in seen)
 
+    record = RecordSteps()
+    outcome = stopcock.run(sd, **kwargs(callback_on_step_end=record), stop=stopcock.max_steps(2))
+    assert outcome.steps == 2 and record.steps == [(0, ["latents"]), (1, ["latents"])]
+
     cutoff = SDCFGCutoffCallback(cutoff_step_ratio=None, cutoff_step_index=1)
-    outcome = stopcock.run(sd, **kwargs(callback_on_step_end=MultiPipelineCallbacks([cutoff])),
+    record = RecordSteps()
+    outcome = stopcock.run(sd, **kwargs(callback_on_step_end=MultiPipelineCallbacks([cutoff, record])),
                            stop=stopcock.max_steps(2))
-    assert outcome.steps == 2 and outcome.output is not None
+    assert outcome.steps == 2 and outcome.output is not None and sd.guidance_scale == 0.0
+    assert [i for i, _ in record.steps] == [0, 1]
 
 
-def test_a_user_exception_propagates_and_leaves_the_pipeline_clean(sd):
-    reference = sd(**kwargs()).images
+@pytest.mark.parametrize("mode", ["finish", "abort"])
+@pytest.mark.parametrize("name", ["sd", "lcm"])
+def test_a_user_exception_propagates_and_leaves_the_pipeline_clean(request, name, mode):
+    pipe = request.getfixturevalue(name)
+    reference = pipe(**kwargs()).images
 
     def boom(pipe, i, t, kw):
         if i == 1:
@@ -160,9 +201,9 @@ def test_a_user_exception_propagates_and_leaves_the_pipeline_clean(sd):
         return kw
 
     with pytest.raises(ValueError, match="user bug"):
-        stopcock.run(sd, **kwargs(callback_on_step_end=boom), stop=stopcock.max_steps(5))
-    assert_clean(sd)
-    np.testing.assert_array_equal(sd(**kwargs()).images, reference)
+        stopcock.run(pipe, **kwargs(callback_on_step_end=boom), stop=stopcock.max_steps(5), mode=mode)
+    assert_clean(pipe)
+    np.testing.assert_array_equal(pipe(**kwargs()).images, reference)
 
 
 def test_total_counts_the_steps_img2img_actually_runs(sd):
@@ -188,8 +229,7 @@ def test_attach_stops_the_users_own_call(sd, count_forwards):
     assert_clean(sd)
 
 
-def test_attach_abort_ends_the_block_quietly():
-    lcm = tiny.lcm_pipeline()
+def test_attach_abort_ends_the_block_quietly(lcm):
     after_call = []
     with stopcock.attach(lcm, stopcock.max_steps(2), mode="abort") as handle:
         lcm(**kwargs())
@@ -197,7 +237,7 @@ def test_attach_abort_ends_the_block_quietly():
     assert after_call == []
     assert handle.outcome.mode == "abort" and handle.outcome.steps == 2 and handle.outcome.output is None
     assert handle.outcome.latents is not None
-    assert "step" not in vars(lcm.scheduler)
+    assert_clean(lcm)
 
 
 def test_one_run_per_pipeline_at_a_time(sd):
@@ -231,21 +271,31 @@ def test_step_callback_stops_a_pipeline_that_honours_interrupt(sd, count_forward
     assert calls[sd.unet] == 3 + STEPS and not sd.interrupt
 
 
-def test_step_callback_wraps_pipeline_callbacks(sd, count_forwards):
+@pytest.mark.parametrize("form", ["PipelineCallback", "MultiPipelineCallbacks"])
+def test_step_callback_wraps_pipeline_callbacks(sd, count_forwards, form):
     calls = count_forwards(sd.unet)
     signal = stopcock.StopSignal()
-    cutoff = SDCFGCutoffCallback(cutoff_step_ratio=None, cutoff_step_index=1)
-    combined = stopcock.step_callback(signal, cutoff, on_step=lambda s: s.step == 2 and signal.stop())
-    assert isinstance(combined, MultiPipelineCallbacks) and combined.tensor_inputs == cutoff.tensor_inputs
+    cutoff = SDCFGCutoffCallback(cutoff_step_ratio=None, cutoff_step_index=1)  # guidance off from step 2
+    record = RecordSteps()
+    theirs = cutoff if form == "PipelineCallback" else MultiPipelineCallbacks([cutoff, record])
+    combined = stopcock.step_callback(signal, theirs, on_step=lambda s: s.step == 2 and signal.stop())
+    assert isinstance(combined, MultiPipelineCallbacks)
+    assert set(combined.tensor_inputs) == set(theirs.tensor_inputs)
     sd(**kwargs(callback_on_step_end=combined))
-    assert calls[sd.unet] == 3  # stop seen after step 2 by its on_step, so at the end of step 3
-    assert signal.reason == "user"
+    assert calls[sd.unet] == 3  # stopped by on_step after step 2's check: seen at the end of step 3
+    assert signal.reason == "user" and sd.interrupt
+    assert sd.guidance_scale == 0.0  # their cutoff ran
+    if form == "MultiPipelineCallbacks":
+        assert record.steps == [(i, ["latents", "prompt_embeds"]) for i in range(3)]
 
 
-def test_step_callback_refuses_a_pipeline_that_ignores_interrupt():
-    lcm = tiny.lcm_pipeline()
-    with pytest.raises(TypeError, match=r"stopcock\.attach"):
-        lcm(**kwargs(callback_on_step_end=stopcock.step_callback(stopcock.max_steps(1))))
+def test_step_callback_refuses_a_pipeline_that_ignores_interrupt(lcm, count_forwards):
+    """At its first step, not at the first stop: a stop button must not be found broken when pressed."""
+    calls = count_forwards(lcm.unet)
+    never = stopcock.StopSignal()
+    with pytest.raises(TypeError, match=r"ignores the interrupt flag.*stopcock\.attach"):
+        lcm(**kwargs(callback_on_step_end=stopcock.step_callback(never)))
+    assert calls[lcm.unet] == 1 and not never.stopped
 
 
 def test_a_callback_that_returns_none_gets_a_clear_error(sd):
@@ -293,16 +343,16 @@ def test_a_subclass_that_overrides_call_is_not_trusted_with_the_flag(count_forwa
     assert outcome.extra["path"] == "hooks" and outcome.mode == "abort" and calls[pipe.unet] == 2
 
 
-def test_a_pipeline_that_ignores_the_flag_is_aborted_before_its_next_step(monkeypatch, count_forwards):
+def test_a_pipeline_that_ignores_the_flag_is_aborted_before_its_next_step(lcm, monkeypatch, count_forwards):
     """Safety net: if a listed pipeline kept denoising after the flag, the next denoiser call aborts."""
     from stopcock.adapters import diffusers as adapter
 
-    lcm = tiny.lcm_pipeline()
     monkeypatch.setattr(adapter, "_interrupt_classes", lambda: frozenset({type(lcm).__name__}))
     calls = count_forwards(lcm.unet)
     outcome = stopcock.run(lcm, **kwargs(), stop=stopcock.max_steps(2))
     assert outcome.extra["path"] == "interrupt" and calls[lcm.unet] == 2
     assert outcome.mode == "abort" and outcome.output is None and "kept denoising" in outcome.detail
+    assert_clean(lcm)
 
 
 def test_a_copy_of_a_wrapped_scheduler_steps_itself(sd):

@@ -12,9 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
-from stopcock.server.backends import ImageBackend, TextBackend
 from stopcock.server.testing import serving
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -23,13 +21,9 @@ KEY = "e2e-key"
 
 
 @pytest.fixture(scope="module")
-def url(text_pipe, image_pipe):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    backends = {"text": TextBackend(text_pipe, "tiny-text"), "image": ImageBackend(image_pipe, "tiny-sd")}
-    with serving(backends, api_keys=[KEY], concurrency=1, queue_size=4, step_delay=0.02) as (base, _):
+def url(server_backends, one_torch_thread):
+    with serving(server_backends, api_keys=[KEY], concurrency=1, queue_size=4, step_delay=0.02) as (base, _):
         yield base
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +80,7 @@ def test_generate_then_stop_in_the_browser(page, url, kind, field, size, progres
 
     server = _server_view(url, job)
     assert (server["state"], server["reason"], server["step"]) == ("stopped", "user", int(step))
+    assert progress <= server["stop_step"] <= int(step) <= server["stop_step"] + 1  # within one step
 
     ARTIFACTS.mkdir(exist_ok=True)
     shot = ARTIFACTS / f"server-e2e-{kind}.png"

@@ -14,14 +14,12 @@ from typing import Any
 
 import pytest
 import schemathesis
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis.checks import not_a_server_error
 
 from stopcock.outcome import Outcome
 from stopcock.server.app import create_app
-from stopcock.server.backends import ImageBackend, TextBackend
 from stopcock.server.engine import Backend, JobSpec, LocalEngine, RunContext
 
 
@@ -47,14 +45,10 @@ class TwoSteps:
 
 
 @pytest.fixture(scope="module")
-def fuzzed_app(text_pipe, image_pipe):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    backends = {"text": TextBackend(text_pipe, "tiny-text"), "image": ImageBackend(image_pipe, "tiny-sd")}
-    engine = LocalEngine({k: TwoSteps(b) for k, b in backends.items()}, concurrency=1, queue_size=2)
+def fuzzed_app(server_backends, one_torch_thread):
+    engine = LocalEngine({k: TwoSteps(b) for k, b in server_backends.items()}, concurrency=1, queue_size=2)
     yield create_app(engine)
     engine.close()
-    torch.set_num_threads(threads)
 
 
 def test_no_input_gives_a_server_error(fuzzed_app):

@@ -24,14 +24,26 @@ def _one_thread():
 
 
 def run_once(model, batch, *, moment: str, mode: str, stop_step: int, reason: str):
-    """One generation; another thread stops it at ``moment``. Returns (outcome, signal, step times)."""
+    """One generation; another thread stops it at ``moment``.
+
+    Returns (outcome, signal, times): ``times["steps"]`` the step reports, ``times["checks"]`` maps
+    each step checked to a time taken just before that check read the signal, ``times["stopped"]``
+    when ``stop()`` had returned, ``times["returned"]`` when the run had returned.
+    """
     signal, trigger = stopcock.StopSignal(), threading.Event()
     step_times: dict[int, float] = {}
+    checks: dict[int, float] = {}
+    times: dict = {"steps": step_times, "checks": checks}
     result: dict[str, stopcock.Outcome] = {}
 
     def stopper() -> None:
         trigger.wait()
         signal.stop(reason)
+        times["stopped"] = time.monotonic()
+
+    def before_signal_read(state) -> bool:
+        checks[state.step] = time.monotonic()  # never stops: ``|`` then reads the signal
+        return False
 
     def on_step(state) -> None:
         step_times[state.step] = time.monotonic()
@@ -43,9 +55,11 @@ def run_once(model, batch, *, moment: str, mode: str, stop_step: int, reason: st
             trigger.set()
 
     def generate() -> None:
+        stop = stopcock.when(before_signal_read) | signal
         result["outcome"] = stopcock.run(
-            model, **batch, max_new_tokens=NEW, do_sample=False, stop=signal, mode=mode, on_step=on_step
+            model, **batch, max_new_tokens=NEW, do_sample=False, stop=stop, mode=mode, on_step=on_step
         )
+        times["returned"] = time.monotonic()
 
     thread = threading.Thread(target=stopper)
     thread.start()
@@ -63,7 +77,7 @@ def run_once(model, batch, *, moment: str, mode: str, stop_step: int, reason: st
     trigger.set()  # "end": the stop comes after the run returned; a no-op for the other moments
     thread.join(BOUND)
     assert not thread.is_alive()
-    return result["outcome"], signal, step_times
+    return result["outcome"], signal, times
 
 
 def test_random_stops_from_other_threads(text_model, tokenizer):
@@ -75,12 +89,13 @@ def test_random_stops_from_other_threads(text_model, tokenizer):
     for i in range(RUNS):
         moment, mode, rows = rng.choice(MOMENTS), rng.choice(("finish", "abort")), rng.choice((1, 2))
         batch = {k: v[:rows] for k, v in prompts.items()}
-        outcome, signal, step_times = run_once(
+        outcome, signal, times = run_once(
             text_model, batch, moment=moment, mode=mode, stop_step=rng.randint(1, NEW), reason=f"stop-{i}"
         )
         seen.add((moment, outcome.stopped))
 
         # every Outcome is consistent with the output and with when the stop came
+        step_times, checks = times["steps"], times["checks"]
         assert outcome.steps == len(step_times) <= NEW
         output = outcome.output
         assert output.shape[0] == rows and output.shape[1] == prompt_len + outcome.steps
@@ -97,11 +112,17 @@ def test_random_stops_from_other_threads(text_model, tokenizer):
             assert outcome.stopped and outcome.steps == 0
         if moment == "end":
             assert not outcome.stopped
-        # a stop requested before a step's report is seen by the next step's check: within one step
+        # stopped <=> the stop was requested before the end: a stopped run saw a request made before
+        # it returned; a run that was not stopped made its last check before stop() had returned
         assert signal.stopped_at is not None
-        later = [s for s, t in step_times.items() if t > signal.stopped_at]
-        if later and min(later) < outcome.steps:
-            assert outcome.stopped and outcome.steps <= min(later) + 1
+        if outcome.stopped:
+            assert signal.stopped_at <= times["returned"]
+        else:
+            assert times["stopped"] >= checks[outcome.steps]
+        # within one step: the first check that began after stop() returned saw it
+        after = [step for step, t in checks.items() if t > times["stopped"]]
+        if after:
+            assert outcome.stopped and outcome.steps <= min(after)
 
     assert [h for m in text_model.modules() for h in m._forward_pre_hooks.values()] == []
     assert {("before", True), ("mid", True), ("end", False)} <= seen

@@ -191,6 +191,24 @@ def test_user_criteria_and_streamer_keep_working(text_model, tokenizer):
     assert (limited.stopped, limited.reason, limited.steps) == (False, "completed", 10)
 
 
+def test_steps_count_tokens_when_a_step_adds_several(text_model, tokenizer):
+    ids = tokenizer(PROMPTS[1:], return_tensors="pt")
+    prompt_len, lookup = ids["input_ids"].shape[1], {"prompt_lookup_num_tokens": 3}
+    states = []
+    done = stopcock.run(
+        text_model, **ids, max_new_tokens=NEW, do_sample=False, on_step=states.append, **lookup
+    )
+    seen = [state.step for state in states]
+    # prompt-lookup decoding accepts several tokens per step on this repetitive text: fewer steps
+    # than tokens, and each step reports the tokens generated so far
+    assert len(seen) < NEW and seen[-1] == done.steps == NEW == done.output.shape[1] - prompt_len
+    stopped = stopcock.run(
+        text_model, **ids, max_new_tokens=NEW, do_sample=False, stop=stopcock.max_steps(5), **lookup
+    )
+    assert stopped.stopped and stopped.steps >= 5
+    assert stopped.steps == stopped.output.shape[1] - prompt_len and stopped.steps in seen
+
+
 def test_user_max_time_and_stop_strings_keep_working(text_model, tokenizer, batch):
     timed = stopcock.run(
         text_model, **batch, max_new_tokens=NEW, do_sample=False, max_time=0.0, stop=stopcock.max_steps(9)
@@ -260,9 +278,13 @@ def test_stopped_before_run_no_forward(text_model, batch):
     hook = text_model.register_forward_pre_hook(lambda m, a: calls.append(1))
     try:
         for mode in ("finish", "abort"):
-            outcome = stopcock.run(text_model, **batch, max_new_tokens=NEW, stop=signal, mode=mode)
+            streamer = Recorder()
+            outcome = stopcock.run(
+                text_model, **batch, max_new_tokens=NEW, stop=signal, mode=mode, streamer=streamer
+            )
             assert (outcome.stopped, outcome.reason, outcome.steps) == (True, "early", 0)
             assert torch.equal(outcome.output, batch["input_ids"])
+            assert streamer.ended and streamer.tokens == []  # its reader is not left waiting
     finally:
         hook.remove()
     assert calls == []

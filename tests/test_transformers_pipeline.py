@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList, pipeline
+from test_transformers_generate import Counting, Recorder  # tests/ is on sys.path under pytest
+from transformers import StoppingCriteriaList, pipeline
 from transformers.pipelines.pt_utils import KeyDataset
 
 import stopcock
@@ -67,11 +68,19 @@ def test_text_generation_stop_string_is_kept(text_pipe):
     )
 
 
-def test_text_generation_sampling_stops_at_step(text_pipe):
+@pytest.mark.parametrize(
+    "options", [{"do_sample": True}, {"do_sample": False, "num_beams": 3}], ids=["sampling", "beam"]
+)
+def test_text_generation_sampling_and_beam_stop_at_step(text_pipe, options):
     torch.manual_seed(0)
-    outcome = stopcock.run(text_pipe, PROMPTS[0], max_new_tokens=NEW, stop=stopcock.max_steps(6))
+    full = text_pipe(PROMPTS[0], max_new_tokens=NEW, **options)[0]["generated_text"]
+    torch.manual_seed(0)
+    outcome = stopcock.run(text_pipe, PROMPTS[0], max_new_tokens=NEW, stop=stopcock.max_steps(6), **options)
     assert (outcome.stopped, outcome.reason, outcome.steps) == (True, "max_steps", 6)
-    assert outcome.output[0]["generated_text"].startswith(PROMPTS[0])
+    text = outcome.output[0]["generated_text"]
+    assert text.startswith(PROMPTS[0]) and len(text) < len(full)
+    if options["do_sample"]:  # the same seed draws the same first tokens
+        assert full.startswith(text)
 
 
 def test_prompt_list_stop_ends_the_whole_run_keeping_finished(text_pipe):
@@ -115,15 +124,6 @@ def test_prompt_list_batched(text_pipe):
     )
 
 
-class Counting(StoppingCriteria):
-    def __init__(self):
-        self.calls = 0
-
-    def __call__(self, input_ids, scores, **kwargs):
-        self.calls += 1
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
-
-
 def test_user_criteria_at_init_and_call_kept(text_model, tokenizer):
     at_init, at_call = Counting(), Counting()
     pipe = pipeline(
@@ -160,11 +160,39 @@ def test_text_generation_abort_and_prestop(text_pipe):
     assert outcome.extra["partial_ids"].shape[1] == len(text_pipe.tokenizer(PROMPTS[0])["input_ids"]) + 3
     assert [h for m in text_pipe.model.modules() for h in m._forward_pre_hooks.values()] == []
     calls, hook = forwards(text_pipe.model)
+    streamer = Recorder()
     try:
-        again = stopcock.run(text_pipe, PROMPTS[0], max_new_tokens=NEW, stop=signal)
+        again = stopcock.run(text_pipe, PROMPTS[0], max_new_tokens=NEW, stop=signal, streamer=streamer)
     finally:
         hook.remove()
     assert (again.stopped, again.steps, again.output, calls) == (True, 0, [], [])
+    assert streamer.ended and streamer.tokens == []  # no generate ran, so stopcock ends the streamer
+
+
+@pytest.fixture(scope="module")
+def chat_pipe(text_model, text_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(text_model_dir)  # its own copy: the shared one has no template
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    return pipeline("text-generation", model=text_model, tokenizer=tokenizer)
+
+
+def test_chat_inputs_one_chat_and_a_list_of_chats(chat_pipe):
+    chats = [[{"role": "user", "content": p}] for p in PROMPTS[:3]]
+    full = chat_pipe(chats, max_new_tokens=NEW, do_sample=False)
+    one = stopcock.run(chat_pipe, chats[0], max_new_tokens=NEW, do_sample=False, stop=stopcock.max_steps(4))
+    # one chat (a list of messages) is one input, not several: the reply is cut after 4 tokens
+    assert (one.stopped, one.steps, one.total_steps, one.row_reasons) == (True, 4, NEW, ["max_steps"])
+    [[user, reply]] = [r["generated_text"] for r in one.output]
+    assert user == chats[0][0] and reply["role"] == "assistant"
+    assert full[0][0]["generated_text"][1]["content"].startswith(reply["content"])
+    many = stopcock.run(
+        chat_pipe, chats, max_new_tokens=NEW, do_sample=False, stop=stopcock.max_steps(NEW + 3)
+    )
+    assert (many.stopped, many.steps, many.total_steps) == (True, NEW + 3, 3 * NEW)
+    assert len(many.output) == 2 and many.output[0] == full[0]  # the finished chat is kept
+    assert many.row_reasons == ["length", "max_steps"]
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])

@@ -117,7 +117,12 @@ def _denoised(scheduler: Any, model_output: Any, sample: Any, result: Any) -> to
     ):
         x0 = outputs[-1]
         return x0.to(prev.dtype) if isinstance(x0, torch.Tensor) and x0.shape == prev.shape else None
-    if type(scheduler).__name__.startswith("FlowMatchEuler") and getattr(scheduler, "step_index", None):
+    if (
+        type(scheduler).__name__.startswith("FlowMatchEuler")
+        and getattr(scheduler, "step_index", None)
+        and isinstance(sample, torch.Tensor)
+        and isinstance(model_output, torch.Tensor)
+    ):
         sigma = scheduler.sigmas[scheduler.step_index - 1]
         return (sample.float() - sigma * model_output.float()).to(prev.dtype)
     return None
@@ -135,13 +140,24 @@ def _with_sample(result: Any, sample: torch.Tensor) -> Any:
 def _remaining_steps(scheduler: Any, timestep: Any) -> int | None:
     """Steps left in this scheduler's loop, counting the one at ``timestep`` (img2img starts late)."""
     timesteps = getattr(scheduler, "timesteps", None)
-    if not isinstance(timesteps, torch.Tensor) or timesteps.ndim != 1:
+    if not isinstance(timesteps, torch.Tensor) or timesteps.ndim != 1 or timestep is None:
         return None
     t = torch.as_tensor(timestep, device=timesteps.device, dtype=timesteps.dtype).flatten()
     if t.numel() != 1:
         return None
     hits = (timesteps == t).nonzero()
     return len(timesteps) - int(hits[0]) if len(hits) else None
+
+
+def _cut_short(remaining: int | None, planned: object) -> int | None:
+    """The steps left, less any the pipeline cut from the end of its loop (SDXL's ``denoising_end``).
+
+    ``planned`` is the pipeline's ``_num_timesteps``: the length of the loop it is about to run, set
+    before the loop by most pipelines (the scheduler keeps the full schedule). Only ever lowers the count.
+    """
+    if not isinstance(planned, int) or isinstance(planned, bool) or planned <= 0:
+        return remaining
+    return planned if remaining is None else min(remaining, planned)
 
 
 class _StepWrapper:
@@ -159,10 +175,11 @@ class _StepWrapper:
         result = self.original(*args, **kwargs)
         if threading.get_ident() != self.owner:
             return result
-        model_output = kwargs["model_output"] if "model_output" in kwargs else args[0]
-        timestep = kwargs["timestep"] if "timestep" in kwargs else args[1]
-        sample = kwargs["sample"] if "sample" in kwargs else args[2]
-        return self.binding.step_done(self.scheduler, model_output, timestep, sample, result)
+        # By name: not every step() takes (model_output, timestep, sample) first (CogVideoX's DPM).
+        named = self.__signature__.bind(*args, **kwargs).arguments
+        return self.binding.step_done(
+            self.scheduler, named.get("model_output"), named.get("timestep"), named.get("sample"), result
+        )
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         copy = memo.get(id(self.scheduler))
@@ -277,8 +294,10 @@ class _Binding:
                     self.streams.append(scheduler)
                 return result
             # A new stage (a combined pipeline's decoder after its prior): its steps add up.
-            self.stepping = scheduler
             remaining = _remaining_steps(scheduler, timestep)
+            if self.stepping is None:
+                remaining = _cut_short(remaining, vars(self.pipe).get("_num_timesteps"))
+            self.stepping = scheduler
             if remaining is not None:
                 self.stage_end = self.control.total = self.control.steps + remaining
         self.latents = result[0]
@@ -447,15 +466,16 @@ class _StepStopper:
                     "a callback_on_step_end must return the callback_kwargs dict (diffusers pops from it);"
                     f" {self.callback!r} returned {type(callback_kwargs).__name__}"
                 )
+        if not honours_interrupt(pipeline):  # fail at the first step, not at the first stop
+            _free_model_hooks(pipeline)  # the error skips the pipeline's own last line
+            raise TypeError(
+                f"{type(pipeline).__name__} ignores the interrupt flag, so step_callback() cannot"
+                " stop it; use stopcock.run(pipe, ..., stop=...) or"
+                " `with stopcock.attach(pipe, stop): pipe(...)`"
+            )
         latents = callback_kwargs.get("latents")
         self.control.total = getattr(pipeline, "_num_timesteps", None)  # set by most loops before they start
         if self.control.step(steps=step_index + 1, latents=latents, timestep=timestep):
-            if not honours_interrupt(pipeline):
-                raise TypeError(
-                    f"{type(pipeline).__name__} ignores the interrupt flag, so step_callback() cannot"
-                    " stop it; use stopcock.run(pipe, ..., stop=...) or"
-                    " `with stopcock.attach(pipe, stop): pipe(...)`"
-                )
             pipeline._interrupt = True
         return callback_kwargs
 
@@ -488,7 +508,7 @@ def step_callback(
     result is a ``MultiPipelineCallbacks`` with their tensor inputs. Timeouts count from this call:
     make one per run. As with diffusers' own interrupt, ``pipe.interrupt`` stays True after a stopped
     call until the next call resets it. Only for pipelines that honour interrupt; others raise a
-    TypeError at the stop (use :func:`attach` or ``stopcock.run`` for them).
+    TypeError at their first step (use :func:`attach` or ``stopcock.run`` for them).
     """
     if isinstance(callback, (PipelineCallback, MultiPipelineCallbacks)):
         theirs = callback.callbacks if isinstance(callback, MultiPipelineCallbacks) else [callback]

@@ -16,7 +16,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
 from .deps import MAX_BODY_BYTES, ApiError, Keys, error_response
@@ -28,7 +28,11 @@ __all__ = ["create_app"]
 
 
 class _BodyLimit:
-    """Refuse request bodies above ``MAX_BODY_BYTES`` (413), declared or streamed."""
+    """Refuse request bodies above ``MAX_BODY_BYTES`` with a 413, declared or chunked.
+
+    The body is read here, before the app, and replayed to it: FastAPI turns an error raised while
+    it reads a body into a 400, so the limit cannot be enforced from inside its reads.
+    """
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -37,7 +41,16 @@ class _BodyLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length", b"0")
-        if not declared.isdigit() or int(declared) > MAX_BODY_BYTES:
+        too_large = not declared.isdigit() or int(declared) > MAX_BODY_BYTES
+        body, more = bytearray(), True
+        while more and not too_large:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away before sending its whole request: no one to answer
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            too_large = len(body) > MAX_BODY_BYTES
+        if too_large:
             response = error_response(
                 413,
                 f"the request body must be at most {MAX_BODY_BYTES} bytes",
@@ -45,19 +58,16 @@ class _BodyLimit:
                 "body_too_large",
             )
             return await response(scope, receive, send)
-        seen = 0
+        replayed = False
 
-        async def limited() -> Any:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > MAX_BODY_BYTES:
-                raise ApiError(
-                    413, f"the request body must be at most {MAX_BODY_BYTES} bytes", code="body_too_large"
-                )
-            return message
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()  # e.g. http.disconnect, which the OpenAI routes watch for
+            replayed = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
 
-        await self.app(scope, limited, send)
+        await self.app(scope, replay, send)
 
 
 def _validation_message(errors: list[Any]) -> str:

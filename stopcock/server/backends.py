@@ -11,8 +11,13 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
+import secrets
 from collections.abc import Mapping
 from typing import Any
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 import stopcock
 
@@ -92,25 +97,45 @@ class TextBackend:
         return TextLane(self, pipeline("text-generation", model=self.pipe.model, tokenizer=self.tokenizer))
 
 
+class _Draw(LogitsProcessor):
+    """Draws the next token from the (warped) scores with ``generator``; only it is left finite."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        drawn = torch.multinomial(scores.float().softmax(-1), 1, generator=self.generator)
+        return scores.new_full(scores.shape, -math.inf).scatter_(1, drawn, 0.0)  # type: ignore[return-value]
+
+
 class TextLane:
     def __init__(self, backend: TextBackend, pipe: Any) -> None:
         self.backend = backend
         self.pipe = pipe
 
-    def execute(self, spec: JobSpec, ctx: RunContext) -> Outcome:
-        import torch
+    def decoding(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """``generate`` arguments: greedy at temperature 0, else sampling with the job's own generator.
 
+        ``generate``'s own sampling draws from torch's global generator, which every worker shares,
+        so a seed would be exact only with one worker. Instead the temperature and top-p warpers
+        are followed by :class:`_Draw`, which samples with a generator seeded from ``seed`` (at
+        random without one) and leaves the drawn token the only choice for greedy decoding.
+        """
+        if params["temperature"] == 0:
+            return {"do_sample": False}
+        seed = params.get("seed")
+        generator = torch.Generator(self.pipe.model.device)
+        generator.manual_seed(secrets.randbits(63) if seed is None else seed)
+        warpers = [TemperatureLogitsWarper(params["temperature"]), TopPLogitsWarper(params["top_p"])]
+        return {"do_sample": False, "logits_processor": LogitsProcessorList([*warpers, _Draw(generator)])}
+
+    def execute(self, spec: JobSpec, ctx: RunContext) -> Outcome:
         params = spec.params
         prompt = self.backend.prompt(spec)
         prompt_len = len(self.backend.tokenizer(prompt)["input_ids"])
         decoder = TextDecoder(self.backend.tokenizer)
         pieces: list[str] = []
         consumed: int | None = None  # tokens of the row already decoded (the prompt, at first)
-        sampling: dict[str, Any] = {"do_sample": False}
-        if params["temperature"] > 0:
-            sampling = {"do_sample": True, "temperature": params["temperature"], "top_p": params["top_p"]}
-            if params.get("seed") is not None:
-                torch.manual_seed(params["seed"])  # process-wide: exact only with concurrency 1
 
         def report(state: StepState) -> None:
             nonlocal consumed
@@ -124,11 +149,11 @@ class TextLane:
         outcome = stopcock.run(
             self.pipe,
             prompt,
-            stop=[ctx.signal, *conditions(spec.stop)],
+            stop=ctx.stop(conditions(spec.stop)),
             on_step=ctx.on_step(report),
             max_new_tokens=params["max_tokens"],
             return_full_text=False,
-            **sampling,
+            **self.decoding(params),
         )
         pieces.append(decoder.flush())
         ctx.text(pieces[-1], outcome.steps)
@@ -201,8 +226,6 @@ class ImageLane:
         self.pipe = pipe
 
     def execute(self, spec: JobSpec, ctx: RunContext) -> Outcome:
-        import torch
-
         params = spec.params
         generator = torch.Generator().manual_seed(params["seed"] if params.get("seed") is not None else 0)
         xl = "XL" in type(self.pipe).__name__
@@ -215,7 +238,7 @@ class ImageLane:
         outcome = stopcock.run(
             self.pipe,
             prompt=spec.prompt,
-            stop=[ctx.signal, *conditions(spec.stop)],
+            stop=ctx.stop(conditions(spec.stop)),
             on_step=ctx.on_step(report),
             partial=params["partial"],
             generator=generator,

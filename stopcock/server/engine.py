@@ -24,10 +24,11 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ..conditions import Condition
 from ..outcome import Outcome
 from ..signal import StopSignal
 from ..state import StepState
@@ -216,7 +217,7 @@ class _Job:
         self.step = 0
         self.total: int | None = None
         self.reason: str | None = None
-        self.stop_step: int | None = None  # the step reported last when a stop was first requested
+        self.stop_step: int | None = None  # the step the run had reached when a stop was first requested
         self.created = time.time()
         self.started: float | None = None
         self.finished: float | None = None
@@ -239,6 +240,21 @@ class _Job:
             self.ended = self.ended or type_ == "done"
         self.changes.bump()
 
+    def reach(self, state: StepState) -> None:
+        with self.lock:
+            self.step, self.total = state.step, state.total
+
+    def request_stop(self, reason: str) -> None:
+        """Stop the job's signal, noting the step reached, under the lock that :class:`_Reached` takes:
+        the run's next check then either sees the stop or has reached ``stop_step`` first. So the run
+        ends at ``stop_step`` or ``stop_step + 1`` (the step in flight), never later."""
+        with self.lock:
+            if self.state not in FINAL_STATES and self.stop_step is None:
+                self.stop_step = self.step
+            if self.state == "running":
+                self.state = "stopping"
+            self.signal.stop(reason)  # its callbacks only forward the stop to the run: no lock taken
+
     def view(self) -> JobView:
         with self.lock:
             return JobView(
@@ -257,23 +273,42 @@ class _Job:
             )
 
 
+class _Reached(Condition):
+    """Records the step at each check of the run, before the job's signal is checked (never stops
+    on its own): a stop request then reads the step the run has really reached (see
+    :meth:`_Job.request_stop`), not the one its ``on_step`` reported last."""
+
+    def __init__(self, job: _Job) -> None:
+        self._job = job
+
+    def check(self, state: StepState) -> str | None:
+        self._job.reach(state)
+        return None
+
+    def __repr__(self) -> str:
+        return "reached()"
+
+
 class RunContext:
-    """What a lane gets for one job: the stop signal, and ways to report progress and results."""
+    """What a lane gets for one job: its stop conditions, and ways to report progress and results."""
 
     def __init__(self, job: _Job, step_delay: float) -> None:
         self._job = job
         self.signal = job.signal
         self.step_delay = step_delay
 
+    def stop(self, conditions: Iterable[Condition]) -> list[Condition | StopSignal]:
+        """The run's ``stop=``: the step recorder, the job's signal, then the job's own ``conditions``."""
+        return [_Reached(self._job), self.signal, *conditions]
+
     def on_step(self, report: Callable[[StepState], None]) -> Callable[[StepState], None]:
-        """The ``on_step`` hook for the run: records the step at once (so a stop request sees it),
-        calls ``report(state)`` (text, previews), emits ``progress``, then waits ``step_delay``
-        seconds (the test-only throttle) unless stopped."""
+        """The ``on_step`` hook for the run: records the step, calls ``report(state)`` (text,
+        previews), emits ``progress``, then waits ``step_delay`` seconds (the test-only throttle)
+        unless stopped."""
         job = self._job
 
         def hook(state: StepState) -> None:
-            with job.lock:
-                job.step, job.total = state.step, state.total
+            job.reach(state)  # also when a stop before its check kept _Reached from running
             report(state)
             job.emit("progress", step=state.step, total=state.total)
             if self.step_delay:
@@ -388,12 +423,7 @@ class LocalEngine:
             dequeued = job.state == "queued" and job in self._queue
             if dequeued:
                 self._queue.remove(job)
-            with job.lock:
-                if job.state not in FINAL_STATES and job.stop_step is None:
-                    job.stop_step = job.step
-                if job.state == "running":
-                    job.state = "stopping"
-        job.signal.stop(reason)
+            job.request_stop(reason)
         if dequeued:
             self._finish(job, "stopped", reason, outcome=None, detail="stopped while queued: it never ran")
         elif wait:
@@ -448,12 +478,12 @@ class LocalEngine:
             running = [j for j in self._jobs.values() if j.state in ("running", "stopping")]
             self._lock.notify_all()
         for job in queued:
-            job.signal.stop("shutdown")
+            job.request_stop("shutdown")
             self._finish(
                 job, "stopped", "shutdown", outcome=None, detail="stopped while queued: it never ran"
             )
         for job in running:
-            job.signal.stop("shutdown")
+            job.request_stop("shutdown")
         for worker in self._workers:
             worker.join(timeout)
 

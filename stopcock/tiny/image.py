@@ -18,6 +18,7 @@ __all__ = [
     "clip_tokenizer",
     "t5_tokenizer",
     "stable_diffusion_pipeline",
+    "safety_checker",
     "sdxl_pipeline",
     "flux_pipeline",
     "lcm_pipeline",
@@ -136,10 +137,27 @@ def _ddim() -> Any:
     )
 
 
-def _sd_family(cls_name: str, *, scheduler: Any = None, seed: int = 0, **unet: Any) -> Any:
-    """A pipeline built from Stable Diffusion's components (vae, CLIP, UNet, no safety checker)."""
+def safety_checker(*, seed: int = 0) -> tuple[Any, Any]:
+    """A tiny ``StableDiffusionSafetyChecker`` (1-layer CLIP vision, 32x32 crops), its feature extractor."""
+    import torch
+    from diffusers.pipelines.stable_diffusion.safety_checker import StableDiffusionSafetyChecker
+    from transformers import CLIPConfig, CLIPImageProcessor
+
+    layer = dict(hidden_size=32, intermediate_size=37, num_attention_heads=4, num_hidden_layers=1)
+    config = CLIPConfig(
+        text_config=layer, vision_config={**layer, "image_size": 32, "patch_size": 16}, projection_dim=32
+    )
+    torch.manual_seed(seed)
+    return StableDiffusionSafetyChecker(config).eval(), CLIPImageProcessor(crop_size=32, size=32)
+
+
+def _sd_family(
+    cls_name: str, *, scheduler: Any = None, seed: int = 0, with_safety_checker: bool = False, **unet: Any
+) -> Any:
+    """A pipeline built from Stable Diffusion's components (vae, CLIP, UNet, a safety checker if asked)."""
     import diffusers
 
+    checker, feature_extractor = safety_checker(seed=seed) if with_safety_checker else (None, None)
     return _quiet(
         getattr(diffusers, cls_name)(
             vae=vae(seed=seed),
@@ -147,16 +165,20 @@ def _sd_family(cls_name: str, *, scheduler: Any = None, seed: int = 0, **unet: A
             tokenizer=clip_tokenizer(),
             unet=sd_unet(seed=seed, **unet),
             scheduler=scheduler or _ddim(),
-            safety_checker=None,
-            feature_extractor=None,
-            requires_safety_checker=False,
+            safety_checker=checker,
+            feature_extractor=feature_extractor,
+            requires_safety_checker=with_safety_checker,
         )
     )
 
 
-def stable_diffusion_pipeline(*, scheduler: Any = None, seed: int = 0) -> Any:
+def stable_diffusion_pipeline(
+    *, scheduler: Any = None, seed: int = 0, with_safety_checker: bool = False
+) -> Any:
     """A tiny ``StableDiffusionPipeline`` (category A); DDIM unless ``scheduler`` is given."""
-    return _sd_family("StableDiffusionPipeline", scheduler=scheduler, seed=seed)
+    return _sd_family(
+        "StableDiffusionPipeline", scheduler=scheduler, seed=seed, with_safety_checker=with_safety_checker
+    )
 
 
 def lcm_pipeline(*, seed: int = 0) -> Any:
@@ -237,13 +259,16 @@ def ddpm_pipeline(*, seed: int = 0) -> Any:
     return _quiet(DDPMPipeline(unet=unet, scheduler=DDPMScheduler(num_train_timesteps=1000)))
 
 
-def flux_pipeline(*, seed: int = 0) -> Any:
-    """A tiny ``FluxPipeline`` (category A, transformer denoiser, flow matching); use height=width=32."""
+def flux_pipeline(*, seed: int = 0, **transformer_config: Any) -> Any:
+    """A tiny ``FluxPipeline`` (category A, transformer denoiser, flow matching); use height=width=32.
+
+    ``transformer_config`` overrides the transformer's (e.g. ``num_layers=4, num_single_layers=8``).
+    """
     import torch
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
     torch.manual_seed(seed)
-    transformer = FluxTransformer2DModel(
+    config: dict[str, Any] = dict(
         patch_size=1,
         in_channels=4,
         num_layers=1,
@@ -254,6 +279,7 @@ def flux_pipeline(*, seed: int = 0) -> Any:
         pooled_projection_dim=32,
         axes_dims_rope=[4, 4, 8],
     )
+    transformer = FluxTransformer2DModel(**{**config, **transformer_config})
     torch.manual_seed(seed)
     autoencoder = AutoencoderKL(
         sample_size=32,
