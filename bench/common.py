@@ -248,25 +248,9 @@ def image_pipeline(scheduler: str = "ddim") -> Any:
 def deep_flux_pipeline(double_blocks: int = 8, single_blocks: int = 16) -> Any:
     """The tiny Flux pipeline of :mod:`stopcock.tiny.image` with a deeper, wider transformer
     (random weights; 24 blocks and 128 channels by default): a DiT of realistic depth, CPU-sized."""
-    from diffusers import FluxTransformer2DModel
-
     from stopcock.tiny.image import flux_pipeline
 
-    pipe = flux_pipeline()
-    torch.manual_seed(0)
-    transformer: Any = FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=4,
-        num_layers=double_blocks,
-        num_single_layers=single_blocks,
-        attention_head_dim=16,
-        num_attention_heads=8,
-        joint_attention_dim=32,
-        pooled_projection_dim=32,
-        axes_dims_rope=[4, 4, 8],
-    )
-    pipe.transformer = transformer.eval()
-    return pipe
+    return flux_pipeline(num_layers=double_blocks, num_single_layers=single_blocks, num_attention_heads=8)
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
