@@ -338,3 +338,27 @@ def test_image_backends_check_what_the_pipeline_takes():
     lcm.validate(JobSpec("image", "x", ImageParameters().model_dump()))  # defaults are fine
     with pytest.raises(InvalidJob, match="takes no negative_prompt"):
         lcm.validate(JobSpec("image", "x", ImageParameters(negative_prompt="blur").model_dump()))
+
+
+def test_two_apps_in_one_process_share_nothing(text_pipe):
+    """The app keeps its engine and keys on ``app.state``: two apps over two engines stay apart."""
+    from fastapi.testclient import TestClient
+
+    from stopcock.server.app import create_app
+
+    engines = [LocalEngine({"text": TextBackend(text_pipe, name)}) for name in ("model-a", "model-b")]
+    key = {"Authorization": "Bearer key-a"}
+    try:
+        with (
+            TestClient(create_app(engines[0], api_keys=["key-a"])) as a,
+            TestClient(create_app(engines[1])) as b,
+        ):
+            assert a.get("/v1/models").status_code == 401 and b.get("/v1/models").status_code == 200
+            assert a.get("/v1/models", headers=key).json()["data"][0]["id"] == "model-a"
+            assert b.get("/v1/models").json()["data"][0]["id"] == "model-b"
+            job = b.post("/v1/jobs", json=text_job(2)).json()
+            assert a.get(f"/v1/jobs/{job['id']}", headers=key).status_code == 404
+            assert b.get(f"/v1/jobs/{job['id']}").status_code == 200
+    finally:
+        for engine in engines:
+            engine.close()

@@ -98,3 +98,20 @@ def test_a_missing_model_is_a_one_line_error(tmp_path):
         text=True,
     )
     assert done.returncode == 1 and "model folder not found" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_no_model_arguments_serve_both_demo_models():
+    from stopcock.server.backends import load_backends
+    from stopcock.server.testing import serving
+
+    with serving(load_backends(None, None)) as (url, _), httpx.Client(base_url=url, timeout=60) as client:
+        models = {m["stopcock_kind"]: m for m in client.get("/v1/models").json()["data"]}
+        assert {kind: m["id"] for kind, m in models.items()} == {
+            "text": "stopcock-demo-text",
+            "image": "stopcock-demo-image",
+        }
+        assert all(m["description"] for m in models.values())
+        job = client.post("/v1/jobs", json={"kind": "text", "prompt": "Hi", "parameters": {"max_tokens": 3}})
+        with client.stream("GET", f"/v1/jobs/{job.json()['id']}/events") as events:
+            done = list(sse_data(events.iter_lines()))[-1]
+    assert (done["state"], done["step"]) == ("completed", 3)

@@ -107,18 +107,23 @@ def test_break_stops_within_one_step_and_waits(image_pipe, mode):
 
 
 def test_close_reports_the_partial_run(image_pipe):
-    reached = threading.Event()
-    s = stopcock.stream(
-        image_pipe,
-        "a cat",
-        num_inference_steps=50,
-        generator=_seed(),
-        on_step=lambda state: state.step == 2 and reached.set(),
-    )
+    steps = []
+    reached, release = threading.Event(), threading.Event()
+
+    def on_step(state):
+        steps.append(state.step)
+        if state.step == 2:
+            reached.set()
+            assert release.wait(BOUND)
+
+    s = stopcock.stream(image_pipe, "a cat", num_inference_steps=50, generator=_seed(), on_step=on_step)
+    s.signal.on_stop(release.set)  # the held worker goes on once the stop is requested
     assert reached.wait(BOUND)
     s.close()
-    assert s.outcome.stopped and s.outcome.reason == "cancelled" and 2 <= s.outcome.steps < 50
-    assert s.outcome.output is not None and _clean(image_pipe)
+    # the stop came during step 2's on_step: step 3 is the last, then the partial image is decoded
+    assert s.outcome.stopped and s.outcome.reason == "cancelled" and s.outcome.steps == 3 and steps == [1, 2, 3]
+    assert s.outcome.output is not None and s.outcome.output.images[0].size == (64, 64)
+    assert _clean(image_pipe)
 
 
 def test_exception_reaches_the_consumer(image_pipe):

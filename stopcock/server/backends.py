@@ -98,12 +98,16 @@ class TextBackend:
 
 
 class _Draw(LogitsProcessor):
-    """Draws the next token from the (warped) scores with ``generator``; only it is left finite."""
+    """Draws the next token from the (warped) scores with its own generator, seeded with ``seed``
+    (on the scores' device); only the drawn token is left finite."""
 
-    def __init__(self, generator: torch.Generator) -> None:
-        self.generator = generator
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.generator: torch.Generator | None = None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.generator is None:
+            self.generator = torch.Generator(scores.device).manual_seed(self.seed)
         drawn = torch.multinomial(scores.float().softmax(-1), 1, generator=self.generator)
         return scores.new_full(scores.shape, -math.inf).scatter_(1, drawn, 0.0)  # type: ignore[return-value]
 
@@ -113,7 +117,8 @@ class TextLane:
         self.backend = backend
         self.pipe = pipe
 
-    def decoding(self, params: Mapping[str, Any]) -> dict[str, Any]:
+    @staticmethod
+    def decoding(params: Mapping[str, Any]) -> dict[str, Any]:
         """``generate`` arguments: greedy at temperature 0, else sampling with the job's own generator.
 
         ``generate``'s own sampling draws from torch's global generator, which every worker shares,
@@ -124,10 +129,9 @@ class TextLane:
         if params["temperature"] == 0:
             return {"do_sample": False}
         seed = params.get("seed")
-        generator = torch.Generator(self.pipe.model.device)
-        generator.manual_seed(secrets.randbits(63) if seed is None else seed)
+        draw = _Draw(secrets.randbits(63) if seed is None else seed)
         warpers = [TemperatureLogitsWarper(params["temperature"]), TopPLogitsWarper(params["top_p"])]
-        return {"do_sample": False, "logits_processor": LogitsProcessorList([*warpers, _Draw(generator)])}
+        return {"do_sample": False, "logits_processor": LogitsProcessorList([*warpers, draw])}
 
     def execute(self, spec: JobSpec, ctx: RunContext) -> Outcome:
         params = spec.params
