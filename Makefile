@@ -2,7 +2,9 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-# A CPU build of torch; a plain `torch` requirement would pull a multi-GB CUDA build.
+# torch first, pinned: on this project's machines pip finds a local CPU build of 2.13.0, while a
+# plain `torch` requirement would pull a multi-GB CUDA build. Elsewhere, point pip at a CPU index
+# (PIP_EXTRA_INDEX_URL) or override TORCH; pyproject.toml itself only asks for torch>=2.1.
 TORCH  ?= torch==2.13.0
 
 .PHONY: setup demo test lint bench browser clean
@@ -34,8 +36,11 @@ bench: setup
 
 # Headless Chromium for the web page's end-to-end test (Debian's package; Playwright's own
 # browser download does not work offline).
+# Without root it only warns: the browser test is then skipped (and fails under CI=true).
 browser:
-	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
+	@command -v chromium >/dev/null 2>&1 || \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium >/dev/null; \
+	  else echo "make browser: chromium is missing; as root: apt-get install chromium" >&2; fi
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

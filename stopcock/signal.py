@@ -21,24 +21,27 @@ class StopSignal:
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.RLock())
-        self._reason: str | None = None
+        # {"reason": (reason,)} once stopped. dict.setdefault claims and sets the reason in one atomic
+        # step, so even a signal handler that interrupts stop() on the same thread cannot overwrite it.
+        self._claim: dict[str, tuple[str]] = {}
         self._stopped_at: float | None = None
         self._callbacks: list[Callable[[], object]] = []
         self._children: weakref.WeakSet[StopSignal] = weakref.WeakSet()
         self._parent: StopSignal | None = None  # a child keeps its parent (and so the chain) alive
 
     def __repr__(self) -> str:
-        state = f"stopped, reason={self._reason!r}" if self.stopped else "running"
+        state = f"stopped, reason={self.reason!r}" if self.stopped else "running"
         return f"<StopSignal {state}>"
 
     @property
     def stopped(self) -> bool:
-        return self._reason is not None
+        return "reason" in self._claim
 
     @property
     def reason(self) -> str | None:
         """Why it was stopped (the first reason given), or None while not stopped."""
-        return self._reason
+        claim = self._claim.get("reason")
+        return None if claim is None else claim[0]
 
     @property
     def stopped_at(self) -> float | None:
@@ -53,11 +56,11 @@ class StopSignal:
         """
         if not isinstance(reason, str) or not reason:
             raise TypeError(f"reason must be a non-empty str, got {reason!r}")
+        mine = (reason,)
         with self._cond:
-            if self._reason is not None:
+            if self._claim.setdefault("reason", mine) is not mine:
                 return False
             self._stopped_at = time.monotonic()
-            self._reason = reason
             callbacks, self._callbacks = self._callbacks, []
             children = list(self._children)
             self._cond.notify_all()
@@ -76,13 +79,13 @@ class StopSignal:
     def wait(self, timeout: float | None = None) -> bool:
         """Block until stopped or ``timeout`` seconds pass; returns :attr:`stopped`."""
         with self._cond:
-            self._cond.wait_for(lambda: self._reason is not None, timeout)
+            self._cond.wait_for(lambda: self.stopped, timeout)
         return self.stopped
 
     async def wait_async(self) -> str:
         """Wait without blocking the event loop; returns the reason."""
-        if self._reason is not None:
-            return self._reason
+        if self.reason is not None:
+            return self.reason
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
 
@@ -101,13 +104,14 @@ class StopSignal:
             await future
         finally:
             remove()
-        assert self._reason is not None
-        return self._reason
+        reason = self.reason
+        assert reason is not None
+        return reason
 
     def on_stop(self, fn: Callable[[], object]) -> Callable[[], None]:
         """Run ``fn()`` once when stopped (at once if already stopped). Returns a remover."""
         with self._cond:
-            if self._reason is None:
+            if not self.stopped:
                 self._callbacks.append(fn)
                 return lambda: self._remove(fn)
         fn()
@@ -127,9 +131,8 @@ class StopSignal:
         kid = StopSignal()
         kid._parent = self
         with self._cond:
-            if self._reason is None:
+            if not self.stopped:
                 self._children.add(kid)
                 return kid
-            reason = self._reason
-        kid.stop(reason)
+        kid.stop(self._claim["reason"][0])
         return kid

@@ -130,7 +130,9 @@ def test_the_job_api_stops_an_openai_request(server, client):
     stopped = httpx.post(f"{url}/v1/jobs/{job}/stop", headers={"Authorization": f"Bearer {KEY}"}).json()
     chunks = list(stream)
     assert stopped["state"] == "stopped" and chunks[-1].choices[0].finish_reason == "stop"
-    assert chunks[-1].stopcock["reason"] == "user"  # type: ignore[attr-defined]
+    outcome = chunks[-1].stopcock  # type: ignore[attr-defined]
+    assert (outcome["reason"], outcome["steps"]) == ("user", stopped["step"])
+    assert stopped["stop_step"] <= stopped["step"] <= stopped["stop_step"] + 1
 
 
 @pytest.mark.parametrize(

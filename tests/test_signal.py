@@ -174,3 +174,24 @@ def test_stop_from_a_signal_handler_while_the_lock_is_held():
         assert s.reason == "signal"
     finally:
         signal.signal(signal.SIGUSR1, old)
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs POSIX signals")
+def test_a_handler_interrupting_stop_on_the_same_thread_cannot_overwrite_the_reason():
+    """The claim is one atomic step: whichever call makes it wins, the other returns False."""
+    s = StopSignal()
+    results: dict[str, bool] = {}
+    old = signal.signal(signal.SIGUSR1, lambda *_: results.setdefault("handler", s.stop("handler")))
+    try:
+        # The handler runs at some bytecode boundary after the kill: before or inside stop().
+        s.on_stop(lambda: None)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        results["outer"] = s.stop("outer")
+        for _ in range(1000):
+            if "handler" in results:
+                break
+        winner = "outer" if results["outer"] else "handler"
+        assert sorted(results.values()) == [False, True]
+        assert s.reason == winner
+    finally:
+        signal.signal(signal.SIGUSR1, old)
