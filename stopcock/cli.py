@@ -1,5 +1,7 @@
 """The ``stopcock`` command line: ``demo``, ``text``, ``image`` (and ``serve``, from :mod:`stopcock.server`).
 
+Also ``python -m stopcock`` (and ``python -m stopcock.cli``, which runs this same module's :func:`main`).
+
 Ctrl+C once stops the run gracefully at the next step (the partial result is kept and saved,
 reason ``"interrupted"``); Ctrl+C again abandons it at once, inside the step in flight (see
 :class:`CtrlC`). Exit codes are listed in :data:`EXIT_CODES`.
@@ -562,6 +564,12 @@ def _number(kind: Callable[[str], Any], minimum: float, what: str, maximum: floa
 _SECONDS = _number(float, 0.0, "a number of seconds >= 0")
 _COUNT = _number(int, 1, "an integer >= 1")
 _STEP = _number(int, 0, "an integer >= 0")
+def _stop_string(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("a stop string cannot be empty")
+    return text
+
+
 _SEED = _number(int, 0, "a seed: an integer from 0 to 2**64 - 1", maximum=2**64 - 1)
 
 
@@ -598,7 +606,8 @@ def build_parser() -> argparse.ArgumentParser:
                           epilog=f"{_epilog()}\n\n{JSON_SCHEMA}", formatter_class=fmt)
     _add_common(text, "text")
     text.add_argument("--max-new-tokens", type=_COUNT, default=100, metavar="N", help="default 100")
-    text.add_argument("--stop", nargs="+", metavar="STR", help="stop when the text contains one of these")
+    text.add_argument("--stop", nargs="+", type=_stop_string, metavar="STR",
+                      help="stop when the text contains one of these")
     text.add_argument("--max-steps", type=_STEP, metavar="N", help="stop after N tokens")
     text.set_defaults(func=cmd_text)
 

@@ -192,6 +192,7 @@ def test_exit_codes_are_distinct():
         (["text", "--prompt", "x", "--timeout", "-1"], "--timeout"),
         (["text", "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens"),
         (["text", "--prompt", "x", "--mode", "fast"], "--mode"),
+        (["text", "--prompt", "x", "--stop", ""], "--stop"),
         (["image", "--prompt", "x", "--steps", "many"], "--steps"),
         (["image", "--prompt", "x", "--partial", "half"], "--partial"),
         (["image", "--prompt", "x", "--seed", str(2**64)], "--seed"),
@@ -334,7 +335,8 @@ def test_text_ctrl_c_while_loading_still_prints_the_json():
     code, out, err = run.finish()
     report = json.loads(out)  # stdout holds exactly one JSON object
     assert code == EXIT_INTERRUPTED == report["exit_code"]
-    assert (report["reason"], report["stopped"], report["steps"], report["text"]) == ("interrupted", True, 0, "")
+    assert (report["reason"], report["stopped"], report["steps"]) == ("interrupted", True, 0)
+    assert report["text"] == ""
     assert "while loading the model" in report["detail"] and "Traceback" not in err
 
 
@@ -364,6 +366,19 @@ def test_image_stop_at_step_progress_lines(run_main, tmp_path):
     meta = png_metadata(out)
     assert (meta["reason"], meta["steps"], meta["total_steps"]) == ("max_steps", 3, 20)
     assert meta["partial"] == "raw"
+
+
+def test_progress_bar_shows_the_step_and_the_eta():
+    import io
+
+    from stopcock.cli import Progress
+    from stopcock.state import StepState
+
+    progress = Progress("bar")
+    progress.stream = io.StringIO()
+    progress(StepState(step=5, total=20, elapsed=1.0))  # 0.2 s a step, 15 to go
+    progress.close()
+    assert progress.stream.getvalue() == f"\rstep 5/20 [{'#' * 7}{'.' * 23}] eta 3.0s   \n"
 
 
 def test_image_ctrl_c_once_saves_the_partial_image(tmp_path):

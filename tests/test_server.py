@@ -199,14 +199,19 @@ def test_image_job_previews_and_a_partial_image(server):
     assert result["image"].startswith("iVBOR")
 
 
-def test_shutdown_stops_running_jobs_and_joins_the_workers(server_backends):
+def test_concurrency_limit_then_shutdown_stops_every_job_and_joins_the_workers(server_backends):
     before = set(threading.enumerate())
     with serve(server_backends, concurrency=2, queue_size=2) as (client, engine):
         jobs = [submit(client, text_job()) for _ in range(3)]
-        wait_for_step(client, jobs[0]["id"], 1)
+        for job in jobs[:2]:
+            wait_for_step(client, job["id"], 1)
+        # two workers: the third job waits while the first two run
+        assert client.get(f"/v1/jobs/{jobs[2]['id']}").json()["state"] == "queued"
+        assert engine.stats() == {"queued": 1, "running": 2, "jobs": 3, "workers_alive": 2}
         engine.close()
         views = [client.get(f"/v1/jobs/{j['id']}").json() for j in jobs]
         assert {v["state"] for v in views} == {"stopped"} and {v["reason"] for v in views} == {"shutdown"}
+        assert views[2]["started"] is None and views[2]["step"] == 0  # the queued one never ran
         assert engine.stats()["workers_alive"] == 0
         refused = client.post("/v1/jobs", json=text_job(2))
         assert refused.status_code == 429

@@ -115,3 +115,13 @@ def test_no_model_arguments_serve_both_demo_models():
         with client.stream("GET", f"/v1/jobs/{job.json()['id']}/events") as events:
             done = list(sse_data(events.iter_lines()))[-1]
     assert (done["state"], done["step"]) == ("completed", 3)
+
+
+def test_a_blank_key_is_refused(capsys):
+    from stopcock.server.deps import Keys
+    from stopcock.server.serve import main
+
+    assert main(["--api-key", "good", "--api-key", " "]) == 1  # before any model is loaded
+    assert "cannot be empty or blank" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="non-empty"):
+        Keys(["good", ""])  # create_app(engine, api_keys=...) refuses it too

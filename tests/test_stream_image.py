@@ -121,7 +121,8 @@ def test_close_reports_the_partial_run(image_pipe):
     assert reached.wait(BOUND)
     s.close()
     # the stop came during step 2's on_step: step 3 is the last, then the partial image is decoded
-    assert s.outcome.stopped and s.outcome.reason == "cancelled" and s.outcome.steps == 3 and steps == [1, 2, 3]
+    assert s.outcome.stopped and s.outcome.reason == "cancelled"
+    assert s.outcome.steps == 3 and steps == [1, 2, 3]
     assert s.outcome.output is not None and s.outcome.output.images[0].size == (64, 64)
     assert _clean(image_pipe)
 

@@ -34,7 +34,10 @@ class Keys:
     """
 
     def __init__(self, keys: Iterable[str] = ()) -> None:
-        self._owners = {self._digest(k) for k in keys}
+        keys = list(keys)
+        if not all(isinstance(k, str) and k.strip() for k in keys):
+            raise ValueError("an API key must be a non-empty string (a blank key would let anyone in)")
+        self._owners = {self._digest(k.strip()) for k in keys}
 
     @staticmethod
     def _digest(key: str) -> str:

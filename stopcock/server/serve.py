@@ -116,8 +116,8 @@ def _load(args: argparse.Namespace, keys: list[str]) -> dict[str, Any]:
     from ..cli import CliError
     from .backends import load_backends
 
-    if any(not k for k in keys):
-        raise CliError("an API key cannot be empty")
+    if any(not k.strip() for k in keys):
+        raise CliError("an API key cannot be empty or blank")
     if not keys and not _loopback(args.host):
         print(
             f"stopcock serve: warning: {args.host} is not loopback and no --api-key is set: anyone who"
