@@ -9,6 +9,7 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Request
 from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from .engine import Engine, Event
 
@@ -47,12 +48,12 @@ class Keys:
     def required(self) -> bool:
         return bool(self._owners)
 
-    def owner(self, authorization: str | None) -> str:
+    def owner(self, key: str | None) -> str:
+        """The owner of a request that sent ``key`` (None: no bearer key); 401 if it is not one."""
         if not self._owners:
             return "local"
-        scheme, _, key = (authorization or "").partition(" ")
-        digest = self._digest(key.strip())
-        if scheme.lower() != "bearer" or digest not in self._owners:
+        digest = self._digest((key or "").strip())
+        if key is None or digest not in self._owners:
             raise ApiError(
                 401,
                 "a valid API key is required: send 'Authorization: Bearer KEY'",
@@ -62,10 +63,18 @@ class Keys:
         return digest
 
 
-def owner(request: Request) -> str:
-    """The owner of the request (a FastAPI dependency); 401 without a valid key."""
+#: Declares the bearer key in the OpenAPI schema (so ``/docs`` can send one); the check is :class:`Keys`'.
+_bearer = HTTPBearer(auto_error=False, description="an API key, when the server is started with keys")
+
+
+async def owner(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> str:
+    """The owner of the request (a FastAPI dependency); 401 without a valid key.
+
+    ``async``, so that FastAPI runs it on the event loop rather than in a worker thread."""
     keys: Keys = request.app.state.keys
-    return keys.owner(request.headers.get("authorization"))
+    return keys.owner(None if credentials is None else credentials.credentials)
 
 
 def engine_of(request: Request) -> Engine:
