@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
+from ._wake import loop_waker
 from .outcome import Outcome
 from .stream import Channel, Event, RunHandle, make_events, start_worker
 
@@ -117,27 +118,14 @@ def astream(
 
 async def _until(channel: Channel, ready: Callable[[], bool]) -> None:
     """Wait, without blocking the loop, until ``ready()``; the worker wakes us after each event."""
-    loop = asyncio.get_running_loop()
     while not ready():
-        woken: asyncio.Future[None] = loop.create_future()
-
-        def wake(woken: asyncio.Future[None] = woken) -> None:
-            try:
-                loop.call_soon_threadsafe(_resolve, woken)
-            except RuntimeError:  # the loop is closed: nobody waits any more
-                pass
-
+        woken, wake = loop_waker()
         remove = channel.add_waker(wake)
         try:
             if not ready():
                 await woken
         finally:
             remove()
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
 
 
 async def _abandon(channel: Channel) -> None:

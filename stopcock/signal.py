@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 import weakref
 from collections.abc import Callable
+
+from ._wake import loop_waker
 
 __all__ = ["StopSignal"]
 
@@ -86,19 +87,7 @@ class StopSignal:
         """Wait without blocking the event loop; returns the reason."""
         if self.reason is not None:
             return self.reason
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[None] = loop.create_future()
-
-        def resolve() -> None:
-            if not future.done():
-                future.set_result(None)
-
-        def wake() -> None:
-            try:
-                loop.call_soon_threadsafe(resolve)
-            except RuntimeError:  # the loop closed: no waiter is left to wake
-                pass
-
+        future, wake = loop_waker()
         remove = self.on_stop(wake)
         try:
             await future

@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from .._wake import loop_waker
 from ..conditions import Condition
 from ..outcome import Outcome
 from ..signal import StopSignal
@@ -182,17 +183,7 @@ class _Changes:
 
     async def wait_past(self, version: int, timeout: float | None = None) -> None:
         """Return once :attr:`version` exceeds ``version`` (or after ``timeout`` seconds)."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[None] = loop.create_future()
-
-        def resolve() -> None:
-            if not future.done():
-                future.set_result(None)
-
-        def wake() -> None:
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(resolve)
-
+        future, wake = loop_waker()
         with self._cond:
             if self.version > version:
                 return
