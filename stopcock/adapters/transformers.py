@@ -111,19 +111,21 @@ class _RunCriteria(StoppingCriteria):
             self.prompt_len = input_ids.shape[1] - 1 if known is None else known
         self.new = input_ids.shape[1] - self.prompt_len
         self.last_ids, self.last_call_at = input_ids, time.monotonic()
-        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        # A plain bool applies to every row (StoppingCriteriaList ORs it into its tensor) and costs
+        # no tensor allocation, nor a device kernel, per token; only stop strings need a row tensor.
+        done: torch.Tensor | bool = False
         if self.strings is not None:
-            done = self.strings(input_ids, scores)
+            done = rows = self.strings(input_ids, scores)
             if self.rows_per_item > 1:
                 if input_ids.shape[0] % self.rows_per_item:
                     raise RuntimeError(
                         f"beam search showed {input_ids.shape[0]} candidate rows, not a multiple of the"
                         f" {self.rows_per_item} per item stopcock expects from this transformers version"
                     )
-                by_item = done.view(-1, self.rows_per_item)
+                by_item = rows.view(-1, self.rows_per_item)
                 done = (by_item | by_item[:, :1]).reshape(-1)
         if self.control.step(self.base + self.new, input_ids=input_ids, scores=scores):
-            done = torch.ones_like(done)
+            done = True
         return done  # type: ignore[return-value]
 
     @property
