@@ -354,6 +354,18 @@ def test_image_completes_with_the_outcome_in_the_png(run_main, tmp_path):
     assert meta["stopped"] is False and meta["steps"] == 4 and meta["prompt"] == "7"
 
 
+def test_image_seed_makes_the_run_repeatable(run_main, tmp_path):
+    def image(seed: str, name: str) -> bytes:
+        out = tmp_path / name
+        code, _, err = run_main("image", "--prompt", "7", "--steps", "4", "--seed", seed, "--out", str(out))
+        assert code == EXIT_COMPLETED, err
+        return Image.open(out).convert("RGB").tobytes()
+
+    first, again, other = image("5", "a.png"), image("5", "b.png"), image("6", "c.png")
+    assert first == again
+    assert first != other
+
+
 def test_image_stop_at_step_progress_lines(run_main, tmp_path):
     out = tmp_path / "stopped.png"
     code, _, err = run_main("image", "--prompt", "7", "--steps", "20", "--stop-at-step", "3", "--partial",
