@@ -7,7 +7,6 @@ check, raises :class:`Abort` in abort mode, and builds the :class:`Outcome`.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -54,14 +53,12 @@ class RunControl:
         self.total: int | None = None
         self.seen = False
         self.started = time.monotonic()
-        self.thread = threading.get_ident()
         self._unlink: list[Callable[[], None]] = []
         self._ended: float | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> RunControl:
         self.started = time.monotonic()
-        self.thread = threading.get_ident()
         for leaf in self._top_level_signals():
             self._unlink.append(leaf.signal.on_stop(self._forward(leaf.signal)))
         return self
