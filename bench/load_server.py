@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sys
 import tempfile
@@ -31,9 +30,10 @@ from typing import Any
 
 import httpx
 
-from .common import Section, Table
+from stopcock.server.engine import FINAL_STATES
+from stopcock.server.testing import serving, sse_data
 
-FINAL = {"stopped", "completed", "failed"}
+from .common import Section, Table
 
 
 @dataclass
@@ -61,9 +61,10 @@ def _models(folder: Path) -> dict[str, Any]:
 
 
 async def _sse(response: httpx.Response) -> Any:
+    """The JSON ``data:`` payloads of a streamed response, as :func:`sse_data` reads them."""
     async for line in response.aiter_lines():
-        if line.startswith("data: ") and line != "data: [DONE]":
-            yield json.loads(line[6:])
+        for data in sse_data((line,)):
+            yield data
 
 
 async def _text(client: httpx.AsyncClient, rng: random.Random, records: list[Record]) -> None:
@@ -150,8 +151,6 @@ def run(
 ) -> Section:
     import torch
 
-    from stopcock.server.testing import serving
-
     if quick:
         clients, requests = 3, 2
     torch.set_num_threads(1)
@@ -179,7 +178,7 @@ def run(
         problems.append(f"jobs left: {stats}")
     for r in records:
         state, reason = r.view.get("state"), r.view.get("reason")
-        if state not in FINAL:
+        if state not in FINAL_STATES:
             problems.append(f"job {r.job} ({r.kind}, {r.action}) ended {state!r}")
         expected = {"stop": "user", "disconnect": "disconnected"}.get(r.action)
         if expected and state == "stopped" and reason != expected:

@@ -74,34 +74,34 @@ class ImageParameters(Strict):
     )
 
 
-class TextJob(Strict):
-    kind: Literal["text"]
+class _JobBody(Strict):
+    """A job body; each kind narrows ``kind`` and ``parameters``."""
+
+    kind: str
     prompt: Prompt
-    parameters: TextParameters = Field(default_factory=lambda: TextParameters())
+    parameters: Strict
     stop: StopConditions = Field(default_factory=lambda: StopConditions())
 
     def spec(self) -> JobSpec:
         return JobSpec(
-            "text", self.prompt, self.parameters.model_dump(), self.stop.model_dump(exclude_none=True)
+            self.kind, self.prompt, self.parameters.model_dump(), self.stop.model_dump(exclude_none=True)
         )
 
 
-class ImageJob(Strict):
+class TextJob(_JobBody):
+    kind: Literal["text"]
+    parameters: TextParameters = Field(default_factory=lambda: TextParameters())
+
+
+class ImageJob(_JobBody):
     kind: Literal["image"]
-    prompt: Prompt
     parameters: ImageParameters = Field(default_factory=lambda: ImageParameters())
-    stop: StopConditions = Field(default_factory=lambda: StopConditions())
 
     @model_validator(mode="after")
     def _no_stop_strings(self) -> ImageJob:
         if self.stop.stop_strings:
             raise ValueError("stop.stop_strings applies to text jobs only; remove it for an image job")
         return self
-
-    def spec(self) -> JobSpec:
-        return JobSpec(
-            "image", self.prompt, self.parameters.model_dump(), self.stop.model_dump(exclude_none=True)
-        )
 
 
 JobRequest = Annotated[TextJob | ImageJob, Field(discriminator="kind")]
