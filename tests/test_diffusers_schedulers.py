@@ -21,9 +21,9 @@ from diffusers import (
 
 import stopcock
 from stopcock.tiny import image as tiny
+from stopcock.tiny.image import SD_BETAS
 
 STEPS = 5
-SD_BETAS = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear"}
 SCHEDULERS = {
     "ddim": lambda: DDIMScheduler(**SD_BETAS, set_alpha_to_one=True, clip_sample=False),
     "euler": lambda: EulerDiscreteScheduler(**SD_BETAS),

@@ -240,6 +240,19 @@ def test_attach_abort_ends_the_block_quietly(lcm):
     assert_clean(lcm)
 
 
+def test_attach_aborts_a_call_made_after_the_stop(sd, count_forwards):
+    """Several calls in one block: the one after a finish-mode stop is aborted, and the detail says so."""
+    calls = count_forwards(sd.unet)
+    outputs = []
+    with stopcock.attach(sd, stopcock.max_steps(2)) as handle:
+        for _ in range(2):
+            outputs.append(sd(**kwargs()))
+    assert len(outputs) == 1 and calls[sd.unet] == 2
+    assert handle.outcome.mode == "abort" and handle.outcome.steps == 2
+    assert handle.outcome.detail == "a call made after the stop was aborted before its first step"
+    assert_clean(sd)
+
+
 def test_one_run_per_pipeline_at_a_time(sd):
     with stopcock.attach(sd, stopcock.max_steps(2)):
         with pytest.raises(RuntimeError, match="one call per pipeline at a time"):

@@ -280,7 +280,11 @@ class _Binding:
 
     def _after_flag(self, _module: torch.nn.Module) -> None:
         if self.flagged:
-            self.notes.append(f"{type(self.pipe).__name__} kept denoising after interrupt: aborted instead")
+            if self.pipe._interrupt:  # still up: this loop ignored it (a new call resets it)
+                name = type(self.pipe).__name__
+                self.notes.append(f"{name} kept denoising after interrupt: aborted instead")
+            else:
+                self.notes.append("a call made after the stop was aborted before its first step")
             self.mode = "abort"
             raise Abort(self.control)
 
@@ -516,6 +520,9 @@ def step_callback(
     return _StepStopper(stop, on_step, callback)
 
 
+_guarded: dict[type, type] = {}  # pipeline class -> its guarded subclass
+
+
 def guard(pipe: Any) -> Any:
     """Make ``pipe`` reject transformers generate() arguments (``stopping_criteria=`` ...) with a clear error.
 
@@ -531,9 +538,6 @@ def guard(pipe: Any) -> Any:
             _guarded[cls] = type(cls.__name__, (cls,), attrs)
         pipe.__class__ = _guarded[cls]
     return pipe
-
-
-_guarded: dict[type, type] = {}
 
 
 def _guarded_call(self: Any, *args: Any, **kwargs: Any) -> Any:

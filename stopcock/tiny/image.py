@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "SD_BETAS",
     "build_image_model",
     "clip_tokenizer",
     "t5_tokenizer",
@@ -28,6 +29,9 @@ __all__ = [
     "modular_sdxl_pipeline",
     "kandinsky_combined_pipeline",
 ]
+
+# Stable Diffusion's noise schedule, shared by the schedulers of the SD-family builders.
+SD_BETAS: dict[str, Any] = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear"}
 
 
 def clip_tokenizer(model_max_length: int = 77) -> Any:
@@ -131,10 +135,7 @@ def t5_encoder(*, seed: int = 0) -> Any:
 def _ddim() -> Any:
     from diffusers import DDIMScheduler
 
-    return DDIMScheduler(
-        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False,
-        set_alpha_to_one=False, steps_offset=1,
-    )
+    return DDIMScheduler(**SD_BETAS, clip_sample=False, set_alpha_to_one=False, steps_offset=1)
 
 
 def safety_checker(*, seed: int = 0) -> tuple[Any, Any]:
@@ -185,8 +186,9 @@ def lcm_pipeline(*, seed: int = 0) -> Any:
     """A tiny ``LatentConsistencyModelPipeline`` (category B: takes the callback, ignores interrupt)."""
     from diffusers import LCMScheduler
 
-    scheduler = LCMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear")
-    return _sd_family("LatentConsistencyModelPipeline", scheduler=scheduler, seed=seed, time_cond_proj_dim=32)
+    return _sd_family(
+        "LatentConsistencyModelPipeline", scheduler=LCMScheduler(**SD_BETAS), seed=seed, time_cond_proj_dim=32
+    )
 
 
 def instruct_pix2pix_pipeline(*, seed: int = 0) -> Any:
@@ -223,10 +225,7 @@ def sdxl_pipeline(*, seed: int = 0) -> Any:
         projection_class_embeddings_input_dim=80,  # 6 * 8 + 32
         cross_attention_dim=64,
     )
-    scheduler = EulerDiscreteScheduler(
-        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", timestep_spacing="leading",
-        steps_offset=1,
-    )
+    scheduler = EulerDiscreteScheduler(**SD_BETAS, timestep_spacing="leading", steps_offset=1)
     return _quiet(
         StableDiffusionXLPipeline(
             vae=vae(seed=seed),
