@@ -88,7 +88,6 @@ class AsyncStream(RunHandle, AsyncIterator[Event]):
         """
         self._finalizer.detach()
         if self._thread.ident is None:  # never started: there is no run to stop
-            self._channel.abandon()
             self._channel.finish(None, None)
         await _abandon(self._channel)
         self._channel.raise_error()

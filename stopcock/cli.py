@@ -564,13 +564,13 @@ def _number(kind: Callable[[str], Any], minimum: float, what: str, maximum: floa
 _SECONDS = _number(float, 0.0, "a number of seconds >= 0")
 _COUNT = _number(int, 1, "an integer >= 1")
 _STEP = _number(int, 0, "an integer >= 0")
+_SEED = _number(int, 0, "a seed: an integer from 0 to 2**64 - 1", maximum=2**64 - 1)
+
+
 def _stop_string(text: str) -> str:
     if not text:
         raise argparse.ArgumentTypeError("a stop string cannot be empty")
     return text
-
-
-_SEED = _number(int, 0, "a seed: an integer from 0 to 2**64 - 1", maximum=2**64 - 1)
 
 
 def _add_common(p: argparse.ArgumentParser, model_kind: str) -> None:

@@ -15,6 +15,7 @@ import torch
 import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
+from test_stream_text import Pause  # tests/ is on sys.path under pytest
 
 import stopcock
 from stopcock.stream import Done, Step, TextChunk
@@ -31,32 +32,6 @@ def anyio_backend():
 @pytest.fixture(autouse=True)
 def _one_thread():
     torch.set_num_threads(1)
-
-
-class Pause:
-    """An on_step that records steps and worker threads, and holds the worker at step ``at``.
-
-    ``reached`` (a StopSignal, so a coroutine can await it) says the worker is held; the worker
-    goes on when ``release`` is set.
-    """
-
-    def __init__(self, at: int) -> None:
-        self.at = at
-        self.steps: list[int] = []
-        self.workers: list[threading.Thread] = []
-        self.reached = stopcock.StopSignal()
-        self.release = threading.Event()
-
-    def __call__(self, state) -> None:
-        self.steps.append(state.step)
-        self.workers.append(threading.current_thread())
-        if state.step == self.at:
-            self.reached.stop("reached")
-            assert self.release.wait(BOUND)
-
-    def worker_ended(self) -> bool:
-        self.workers[0].join(BOUND)
-        return not self.workers[0].is_alive()
 
 
 @pytest.fixture

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 import torch
+from test_stream_text import Pause  # tests/ is on sys.path under pytest
 
 import stopcock
 from stopcock.stream import Done, Step, latent_preview
@@ -82,47 +81,30 @@ def test_preview_errors_name_the_fix():
 
 @pytest.mark.parametrize("mode", ["finish", "abort"])
 def test_break_stops_within_one_step_and_waits(image_pipe, mode):
-    steps, workers = [], []
-    reached, release = threading.Event(), threading.Event()
-
-    def on_step(state):
-        steps.append(state.step)
-        workers.append(threading.current_thread())
-        if state.step == 3:
-            reached.set()
-            assert release.wait(BOUND)
-
+    pause = Pause(at=3)
     s = stopcock.stream(
-        image_pipe, "a cat", num_inference_steps=50, generator=_seed(), mode=mode, on_step=on_step
+        image_pipe, "a cat", num_inference_steps=50, generator=_seed(), mode=mode, on_step=pause
     )
-    s.signal.on_stop(release.set)  # the held worker goes on once the stop is requested
+    s.signal.on_stop(pause.release.set)  # the held worker goes on once the stop is requested
     for _event in s:
-        assert reached.wait(BOUND)
+        assert pause.reached.wait(BOUND)
         del s  # the loop holds the last reference
         break  # the stream goes: its finaliser stops the run and waits for it
-    assert not workers[0].is_alive()
+    assert not pause.workers[0].is_alive()
     # finish mode ends at the next step boundary; abort mode inside the next denoiser forward
-    assert steps == ([1, 2, 3, 4] if mode == "finish" else [1, 2, 3])
+    assert pause.steps == ([1, 2, 3, 4] if mode == "finish" else [1, 2, 3])
     assert _clean(image_pipe)
 
 
 def test_close_reports_the_partial_run(image_pipe):
-    steps = []
-    reached, release = threading.Event(), threading.Event()
-
-    def on_step(state):
-        steps.append(state.step)
-        if state.step == 2:
-            reached.set()
-            assert release.wait(BOUND)
-
-    s = stopcock.stream(image_pipe, "a cat", num_inference_steps=50, generator=_seed(), on_step=on_step)
-    s.signal.on_stop(release.set)  # the held worker goes on once the stop is requested
-    assert reached.wait(BOUND)
+    pause = Pause(at=2)
+    s = stopcock.stream(image_pipe, "a cat", num_inference_steps=50, generator=_seed(), on_step=pause)
+    s.signal.on_stop(pause.release.set)  # the held worker goes on once the stop is requested
+    assert pause.reached.wait(BOUND)
     s.close()
     # the stop came during step 2's on_step: step 3 is the last, then the partial image is decoded
     assert s.outcome.stopped and s.outcome.reason == "cancelled"
-    assert s.outcome.steps == 3 and steps == [1, 2, 3]
+    assert s.outcome.steps == 3 and pause.steps == [1, 2, 3]
     assert s.outcome.output is not None and s.outcome.output.images[0].size == (64, 64)
     assert _clean(image_pipe)
 

@@ -33,20 +33,30 @@ def _text_by_row(events):
     return rows
 
 
-def _pausing_on_step(at: int):
-    """An on_step that records steps and holds the worker at step ``at`` until released."""
-    steps: list[int] = []
-    workers: list[threading.Thread] = []
-    reached, release = threading.Event(), threading.Event()
+class Pause:
+    """An on_step that records steps and worker threads, and holds the worker at step ``at``.
 
-    def on_step(state):
-        steps.append(state.step)
-        workers.append(threading.current_thread())
-        if state.step == at:
-            reached.set()
-            assert release.wait(BOUND)
+    ``reached`` (a StopSignal, so a thread can wait for it and a coroutine await it) says the
+    worker is held; the worker goes on when ``release`` is set.
+    """
 
-    return on_step, steps, workers, reached, release
+    def __init__(self, at: int) -> None:
+        self.at = at
+        self.steps: list[int] = []
+        self.workers: list[threading.Thread] = []
+        self.reached = stopcock.StopSignal()
+        self.release = threading.Event()
+
+    def __call__(self, state) -> None:
+        self.steps.append(state.step)
+        self.workers.append(threading.current_thread())
+        if state.step == self.at:
+            self.reached.stop("reached")
+            assert self.release.wait(BOUND)
+
+    def worker_ended(self) -> bool:
+        self.workers[0].join(BOUND)
+        return not self.workers[0].is_alive()
 
 
 def _byte_tokens(tokenizer, text):
@@ -157,50 +167,49 @@ def released_on_stop(stream, release: threading.Event):
 
 @pytest.mark.parametrize("mode", ["finish", "abort"])
 def test_break_stops_the_run_and_waits_for_it(text_model, tokenizer, mode):
-    on_step, steps, workers, reached, release = _pausing_on_step(at=4)
+    pause = Pause(at=4)
     inputs = _prompt(tokenizer, ["Hello"])
     for _event in released_on_stop(
         stopcock.stream(
-            text_model, **inputs, tokenizer=tokenizer, max_new_tokens=200, mode=mode, on_step=on_step
+            text_model, **inputs, tokenizer=tokenizer, max_new_tokens=200, mode=mode, on_step=pause
         ),
-        release,
+        pause.release,
     ):
-        assert reached.wait(BOUND)
+        assert pause.reached.wait(BOUND)
         break  # the stream's last reference goes: its finaliser stops the run and waits for it
-    assert not workers[0].is_alive()
+    assert not pause.workers[0].is_alive()
     # finish: the step under way when the stream was left (5) is the last; abort: it is abandoned
-    assert steps == ([1, 2, 3, 4, 5] if mode == "finish" else [1, 2, 3, 4])
+    assert pause.steps == ([1, 2, 3, 4, 5] if mode == "finish" else [1, 2, 3, 4])
     assert not any(m._forward_pre_hooks for m in text_model.modules())
 
 
 def test_close_stops_waits_and_reports_cancelled(text_model, tokenizer):
-    on_step, steps, workers, reached, release = _pausing_on_step(at=3)
+    pause = Pause(at=3)
     s = stopcock.stream(
-        text_model, **_prompt(tokenizer, ["Hello"]), tokenizer=tokenizer, max_new_tokens=200, on_step=on_step
+        text_model, **_prompt(tokenizer, ["Hello"]), tokenizer=tokenizer, max_new_tokens=200, on_step=pause
     )
-    s.signal.on_stop(release.set)  # the worker goes on once the stop is requested
-    assert reached.wait(BOUND)
+    s.signal.on_stop(pause.release.set)  # the worker goes on once the stop is requested
+    assert pause.reached.wait(BOUND)
     s.close()
-    assert not workers[0].is_alive()
+    assert not pause.workers[0].is_alive()
     assert s.outcome is not None and s.outcome.stopped and s.outcome.reason == "cancelled"
-    assert s.outcome.steps == 4 and steps == [1, 2, 3, 4]
+    assert s.outcome.steps == 4 and pause.steps == [1, 2, 3, 4]
     assert list(s) == []  # closed: the events not read are dropped
 
 
 def test_garbage_collected_stream_stops_the_run(text_model, tokenizer):
-    on_step, steps, workers, reached, release = _pausing_on_step(at=2)
+    pause = Pause(at=2)
     s = stopcock.stream(
-        text_model, **_prompt(tokenizer, ["Hello"]), tokenizer=tokenizer, max_new_tokens=200, on_step=on_step
+        text_model, **_prompt(tokenizer, ["Hello"]), tokenizer=tokenizer, max_new_tokens=200, on_step=pause
     )
     s.cycle = s  # only the cyclic garbage collector can free it
     alive = weakref.ref(s)
-    assert reached.wait(BOUND)
+    assert pause.reached.wait(BOUND)
     del s
     gc.collect()
     assert alive() is None  # the worker holds no reference to the stream
-    release.set()
-    workers[0].join(BOUND)
-    assert not workers[0].is_alive() and steps == [1, 2, 3]
+    pause.release.set()
+    assert pause.worker_ended() and pause.steps == [1, 2, 3]
 
 
 class Boom(Exception):
@@ -254,20 +263,20 @@ def test_bad_arguments_raise_before_the_run(text_model, tokenizer, text_pipe):
 
 
 def test_close_from_another_thread_ends_a_waiting_consumer(text_model, tokenizer):
-    on_step, steps, workers, reached, release = _pausing_on_step(at=2)
+    pause = Pause(at=2)
     s = stopcock.stream(
-        text_model, **_prompt(tokenizer, ["Hello"]), tokenizer=tokenizer, max_new_tokens=200, on_step=on_step
+        text_model, **_prompt(tokenizer, ["Hello"]), tokenizer=tokenizer, max_new_tokens=200, on_step=pause
     )
-    s.signal.on_stop(release.set)
+    s.signal.on_stop(pause.release.set)
     received: list = []
     consumer = threading.Thread(target=lambda: received.extend(s))
     consumer.start()
-    assert reached.wait(BOUND)
+    assert pause.reached.wait(BOUND)
     s.close()
     consumer.join(BOUND)
-    assert not consumer.is_alive() and not workers[0].is_alive()
+    assert not consumer.is_alive() and not pause.workers[0].is_alive()
     assert not any(isinstance(e, Done) for e in received) and s.outcome.reason == "cancelled"
-    assert steps == [1, 2, 3] and s.outcome.steps == 3
+    assert pause.steps == [1, 2, 3] and s.outcome.steps == 3
 
 
 def test_stopcock_stream_stays_the_function_once_its_module_is_imported():
