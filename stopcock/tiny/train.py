@@ -114,7 +114,7 @@ def train_image_model(folder: str | Path, *, steps: int = 3000, seed: int = 0) -
     from diffusers import DDIMScheduler, DDPMScheduler, StableDiffusionPipeline
     from sklearn.datasets import load_digits
 
-    from .image import clip_text_encoder, clip_tokenizer, sd_unet
+    from .image import SD_BETAS, clip_text_encoder, clip_tokenizer, sd_unet
 
     data = load_digits()
     images = torch.tensor(data.images, dtype=torch.float32)[:, None].repeat(1, 4, 1, 1) / 8 - 1
@@ -125,8 +125,7 @@ def train_image_model(folder: str | Path, *, steps: int = 3000, seed: int = 0) -
         ids = tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length,
                         truncation=True, return_tensors="pt").input_ids
         embeddings = text_encoder(ids)[0]
-    betas = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear")
-    noise_schedule: Any = DDPMScheduler(num_train_timesteps=1000, **betas)
+    noise_schedule: Any = DDPMScheduler(num_train_timesteps=1000, **SD_BETAS)
     unet = sd_unet(seed=seed, block_out_channels=(16, 32), sample_size=8, norm_num_groups=8).train()
     optimizer = torch.optim.AdamW(unet.parameters(), lr=2e-3)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
@@ -149,7 +148,7 @@ def train_image_model(folder: str | Path, *, steps: int = 3000, seed: int = 0) -
     pipe: Any = StableDiffusionPipeline(
         vae=digit_vae(), text_encoder=text_encoder, tokenizer=tokenizer, unet=unet.eval(),
         scheduler=DDIMScheduler(clip_sample=False, set_alpha_to_one=False, steps_offset=1,
-                                timestep_spacing="trailing", **betas),
+                                timestep_spacing="trailing", **SD_BETAS),
         safety_checker=None, feature_extractor=None, requires_safety_checker=False,
     )
     pipe.save_pretrained(folder)
