@@ -23,12 +23,12 @@ demo: setup
 
 test: setup browser
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
-	$(BIN)/ruff check stopcock tests bench
+	$(BIN)/ruff check stopcock tests bench tiny
 	$(BIN)/mypy
 
 lint: setup
-	$(BIN)/ruff check stopcock tests bench
-	$(BIN)/ruff format --check stopcock tests bench || true
+	$(BIN)/ruff check stopcock tests bench tiny
+	$(BIN)/ruff format --check stopcock tests bench tiny || true
 	$(BIN)/mypy
 
 bench: setup

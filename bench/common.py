@@ -210,10 +210,10 @@ def stop_from_thread(call: Callable[[], Any], stop: Callable[[], object], probe:
 # -- models ----------------------------------------------------------------------------------------
 @cache
 def text_model(n_layer: int = 2, n_embd: int = 64, n_head: int = 2) -> tuple[Any, Any]:
-    """A random-weight GPT-2 from :func:`stopcock.tiny.text.build_text_model` and its tokenizer."""
+    """A random-weight GPT-2 from :func:`tiny.text.build_text_model` and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from stopcock.tiny.text import build_text_model
+    from tiny.text import build_text_model
 
     with tempfile.TemporaryDirectory(prefix="stopcock-bench-") as folder:
         build_text_model(folder, n_layer=n_layer, n_embd=n_embd, n_head=n_head)
@@ -232,10 +232,10 @@ def prompt_ids(tokenizer: Any, n_tokens: int) -> torch.Tensor:
 
 
 def image_pipeline(scheduler: str = "ddim") -> Any:
-    """The tiny Stable Diffusion pipeline of :mod:`stopcock.tiny.image` with the named scheduler."""
+    """The tiny Stable Diffusion pipeline of :mod:`tiny.image` with the named scheduler."""
     from diffusers import DDIMScheduler, DPMSolverMultistepScheduler, EulerDiscreteScheduler
 
-    from stopcock.tiny.image import stable_diffusion_pipeline
+    from tiny.image import stable_diffusion_pipeline
 
     pipe = stable_diffusion_pipeline()
     kinds = {"ddim": DDIMScheduler, "euler": EulerDiscreteScheduler, "dpm++": DPMSolverMultistepScheduler}
@@ -246,9 +246,9 @@ def image_pipeline(scheduler: str = "ddim") -> Any:
 
 
 def deep_flux_pipeline(double_blocks: int = 8, single_blocks: int = 16) -> Any:
-    """The tiny Flux pipeline of :mod:`stopcock.tiny.image` with a deeper, wider transformer
+    """The tiny Flux pipeline of :mod:`tiny.image` with a deeper, wider transformer
     (random weights; 24 blocks and 128 channels by default): a DiT of realistic depth, CPU-sized."""
-    from stopcock.tiny.image import flux_pipeline
+    from tiny.image import flux_pipeline
 
     return flux_pipeline(num_layers=double_blocks, num_single_layers=single_blocks, num_attention_heads=8)
 

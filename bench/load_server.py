@@ -51,8 +51,8 @@ def _models(folder: Path) -> dict[str, Any]:
     from transformers import pipeline
 
     from stopcock.server.backends import ImageBackend, TextBackend
-    from stopcock.tiny.image import build_image_model
-    from stopcock.tiny.text import build_text_model
+    from tiny.image import build_image_model
+    from tiny.text import build_text_model
 
     text = pipeline("text-generation", model=str(build_text_model(folder / "text")))
     image = DiffusionPipeline.from_pretrained(build_image_model(folder / "image"))

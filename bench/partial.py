@@ -30,7 +30,7 @@ class Case:
 
 
 def _flux() -> Any:
-    from stopcock.tiny.image import flux_pipeline
+    from tiny.image import flux_pipeline
 
     return flux_pipeline()
 

@@ -20,13 +20,14 @@ from .conditions import (
     when,
 )
 from .control import Abort
+from .events import Done, Event, Step, TextChunk
 from .outcome import Outcome
 from .runner import UnsupportedTarget, run
 from .signal import StopSignal
 from .state import StepState
 
 # Eager (it imports no heavy library): a lazy name would be shadowed by the submodule once imported.
-from .stream import stream
+from .stream import Stream, stream
 
 __version__ = "0.1.0"
 
@@ -38,6 +39,7 @@ _LAZY = {
     "guard": "stopcock.adapters.diffusers",
     "arun": "stopcock.aio",
     "astream": "stopcock.aio",
+    "AsyncStream": "stopcock.aio",
 }
 
 
@@ -52,9 +54,14 @@ __all__ = [
     "AllOf",
     "AnyOf",
     "Condition",
+    "Done",
+    "Event",
     "Outcome",
+    "Step",
     "StepState",
     "StopSignal",
+    "Stream",
+    "TextChunk",
     "UnsupportedTarget",
     "deadline",
     "max_steps",

@@ -19,13 +19,16 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from ._wake import loop_waker
+from .conditions import StopLike
+from .events import Event
 from .outcome import Outcome
-from .stream import Channel, Event, RunHandle, make_events, start_worker
+from .stream import RunHandle, events_for
+from .worker import Channel, start_worker
 
 __all__ = ["AsyncStream", "arun", "astream"]
 
 
-async def arun(target: Any, *args: Any, stop: object = None, **kwargs: Any) -> Outcome:
+async def arun(target: Any, *args: Any, stop: StopLike | None = None, **kwargs: Any) -> Outcome:
     """``stopcock.run`` in a worker thread, awaited; cancelling the awaiting task stops the run.
 
     On cancellation the run is stopped (reason ``"cancelled"``), ``arun`` waits for the worker to
@@ -96,7 +99,7 @@ class AsyncStream(RunHandle, AsyncIterator[Event]):
 def astream(
     target: Any,
     *args: Any,
-    stop: object = None,
+    stop: StopLike | None = None,
     tokenizer: Any = None,
     preview: str | None = None,
     preview_every: int = 1,
@@ -109,7 +112,7 @@ def astream(
     iteration. Prefer ``async with stopcock.astream(...) as events:`` so that leaving the block
     ends the run at once.
     """
-    events = make_events(target, kwargs, tokenizer=tokenizer, preview=preview, preview_every=preview_every)
+    events = events_for(tokenizer, preview, preview_every)
     return AsyncStream(
         *start_worker(target, args, kwargs, stop=stop, buffer=buffer, events=events, started=False)
     )

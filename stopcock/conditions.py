@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as _dt
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from .signal import StopSignal
@@ -31,14 +31,25 @@ __all__ = [
     "max_steps",
     "stop_strings",
     "when",
+    "StopLike",
     "as_condition",
+    "from_options",
+    "refuse_row_conditions",
+    "stop_strings_of",
+    "top_level",
 ]
 
 
 class Condition:
-    """Base class. Subclasses set ``reason`` and implement :meth:`check`."""
+    """Base class. Subclasses set ``reason`` and implement :meth:`check`.
+
+    A *row condition* (``per_row = True``, e.g. :class:`StopStrings`) ends each generated row on
+    its own; it never fires from :meth:`check`, and only the adapters that can apply it per row
+    accept it (see :func:`stop_strings_of` and :func:`refuse_row_conditions`).
+    """
 
     reason: str = "condition"
+    per_row = False
 
     def check(self, state: StepState) -> str | None:
         raise NotImplementedError
@@ -185,6 +196,7 @@ class StopStrings(Condition):
     """
 
     reason = "stop_string"
+    per_row = True
 
     def __init__(self, strings: Sequence[str]) -> None:
         if isinstance(strings, str):
@@ -195,7 +207,7 @@ class StopStrings(Condition):
         self.strings = strings
 
     def check(self, state: StepState) -> str | None:
-        return None  # evaluated per row by the adapter, see the class docstring
+        return None  # a row condition: applied per row by the adapter, see the class docstring
 
     def __repr__(self) -> str:
         return f"stop_strings({self.strings!r})"
@@ -246,8 +258,12 @@ def when(predicate: Callable[[StepState], Any], reason: str = "condition") -> Wh
     return When(predicate, reason)
 
 
+#: What ``stop=`` accepts: a signal, a condition, or a non-empty list of these (any of them stops).
+StopLike = StopSignal | Condition | Sequence[StopSignal | Condition]
+
+
 def as_condition(stop: object) -> Condition:
-    """Normalise what ``stop=`` accepts into one condition."""
+    """Normalise what ``stop=`` accepts (:data:`StopLike`) into one condition."""
     if isinstance(stop, Condition):
         return stop
     if isinstance(stop, StopSignal):
@@ -259,3 +275,53 @@ def as_condition(stop: object) -> Condition:
         "stop= accepts a stopcock.StopSignal, a condition (stopcock.timeout, deadline, max_steps,"
         f" stop_strings, when, combined with | and &), or a non-empty list of these; got {got}"
     )
+
+
+def top_level(condition: Condition | None) -> tuple[Condition, ...]:
+    """The parts any of which stops the run on its own: those of a top-level ``|``, or the condition."""
+    if condition is None:
+        return ()
+    return condition.conditions if isinstance(condition, AnyOf) else (condition,)
+
+
+def stop_strings_of(condition: Condition | None) -> list[str]:
+    """The strings of the ``stop_strings`` conditions, which end rows at the top level only.
+
+    A row condition inside an ``&`` could not end its row on its own: a ValueError names the fix.
+    """
+    found = [c for c in top_level(condition) if isinstance(c, StopStrings)]
+    nested = sum(c.per_row for c in condition.parts()) if condition is not None else 0
+    if nested > len(found):
+        raise ValueError(
+            "stop_strings(...) ends each row on its own, so it cannot be part of an & (AllOf) condition;"
+            " combine it with | instead, e.g. stop=signal | stopcock.stop_strings([...])"
+        )
+    return [s for c in found for s in c.strings]
+
+
+def refuse_row_conditions(
+    condition: Condition | None,
+    target: str,
+    fix: str = "use a StopSignal, timeout(), deadline(), max_steps() or when()",
+) -> None:
+    """A ValueError if ``condition`` holds a row condition, which ``target`` cannot apply."""
+    if condition is not None and any(c.per_row for c in condition.parts()):
+        raise ValueError(f"stop_strings() applies to text generation only, not to {target}; {fix}")
+
+
+#: The options of :func:`from_options`, each with the condition it builds.
+OPTIONS: dict[str, Callable[[Any], Condition]] = {
+    "timeout": Timeout,
+    "deadline": Deadline,
+    "max_steps": MaxSteps,
+    "stop_strings": StopStrings,
+}
+
+
+def from_options(options: Mapping[str, Any]) -> list[Condition]:
+    """The conditions named in an options mapping (a server job's ``stop``, the CLI's flags):
+    ``{"timeout": 5, "max_steps": 20, "stop_strings": ["\\n"]}``; None or empty values are skipped."""
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown stop option(s) {unknown}; known: {sorted(OPTIONS)}")
+    return [OPTIONS[name](options[name]) for name in OPTIONS if options.get(name) not in (None, [], ())]

@@ -11,14 +11,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .conditions import AnyOf, Condition, Signalled, as_condition
+from .conditions import Condition, Signalled, StopLike, as_condition, top_level
 from .outcome import Outcome
 from .signal import StopSignal
 from .state import StepState
+from .types import MODES, Mode, choice
 
 __all__ = ["Abort", "RunControl", "MODES"]
-
-MODES = ("finish", "abort")
 
 
 class Abort(BaseException):
@@ -38,15 +37,15 @@ class RunControl:
 
     def __init__(
         self,
-        stop: object = None,
+        stop: StopLike | None = None,
         *,
-        mode: str = "finish",
+        mode: Mode = "finish",
         on_step: Callable[[StepState], object] | None = None,
     ) -> None:
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.mode: Mode = choice(
+            "mode", mode, MODES, hint="; to pass a mode to the target itself, use kwargs={'mode': ...}"
+        )
         self.condition: Condition | None = None if stop is None else as_condition(stop)
-        self.mode = mode
         self.on_step = on_step
         self.token = StopSignal()
         self.steps = 0
@@ -59,8 +58,9 @@ class RunControl:
     # -- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> RunControl:
         self.started = time.monotonic()
-        for leaf in self._top_level_signals():
-            self._unlink.append(leaf.signal.on_stop(self._forward(leaf.signal)))
+        for leaf in top_level(self.condition):
+            if isinstance(leaf, Signalled):
+                self._unlink.append(leaf.signal.on_stop(self._forward(leaf.signal)))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -78,11 +78,6 @@ class RunControl:
             self.token.stop(signal.reason or "user")
 
         return forward
-
-    def _top_level_signals(self) -> list[Signalled]:
-        c = self.condition
-        leaves = c.conditions if isinstance(c, AnyOf) else (c,) if c is not None else ()
-        return [leaf for leaf in leaves if isinstance(leaf, Signalled)]
 
     # -- checks ----------------------------------------------------------------------------------
     @property
@@ -127,18 +122,33 @@ class RunControl:
             raise Abort(self)
 
     # -- result ----------------------------------------------------------------------------------
-    def outcome(self, output: Any, *, completed: str = "completed", **fields: Any) -> Outcome:
-        """Build the Outcome; ``completed`` is the reason used when no stop took effect."""
+    def outcome(
+        self,
+        output: Any,
+        *,
+        completed: str = "completed",
+        rows_stopped_at: float | None = None,
+        **fields: Any,
+    ) -> Outcome:
+        """Build the Outcome; ``completed`` is the reason used when no stop took effect.
+
+        ``rows_stopped_at`` is when the last row ended by a row condition (a stop string), if any
+        did: with no other stop, the run is then ``stopped`` for ``"stop_string"``, its latency
+        measured from that moment.
+        """
         self.close()
         assert self._ended is not None
         stopped = self.seen and self.token.reason is not None
+        reason = self.token.reason if stopped else completed
         latency = None
         if stopped and self.token.stopped_at is not None:
             latency = max(0.0, self._ended - max(self.token.stopped_at, self.started))
+        if not stopped and rows_stopped_at is not None:
+            stopped, reason, latency = True, "stop_string", max(0.0, self._ended - rows_stopped_at)
         fields.setdefault("mode", self.mode)
         return Outcome(
             stopped=stopped,
-            reason=self.token.reason if stopped else completed,  # type: ignore[arg-type]
+            reason=reason,  # type: ignore[arg-type]
             steps=self.steps,
             total_steps=self.total,
             elapsed=self._ended - self.started,

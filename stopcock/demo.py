@@ -11,8 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .cli import describe, load_image_pipeline, load_text_model, resolve_model, save_png, writable
-from .conditions import max_steps, stop_strings, timeout
+from .conditions import StopLike, max_steps, stop_strings, timeout
+from .files import save_png, writable
+from .loading import load_image_pipeline, load_text_model, resolve_model
 from .outcome import Outcome
 from .runner import run
 from .signal import StopSignal
@@ -35,7 +36,7 @@ class Demo:
         print(f"\n{title}")
         if output is not None:
             print(f"  output: {output}")
-        print(f"  outcome: {describe(outcome, unit)}")
+        print(f"  outcome: {outcome.describe(unit)}")
         if outcome.reason != expected:
             self.failures.append(f"{title}: expected reason {expected!r}, got {outcome.reason!r}")
             print(f"  UNEXPECTED: the reason should be {expected!r}")
@@ -44,7 +45,7 @@ class Demo:
     def text(self) -> None:
         model, tokenizer = load_text_model(resolve_model(None, "text"), quiet=True)
 
-        def generate(prompt: str, stop: object, max_new_tokens: int,
+        def generate(prompt: str, stop: StopLike, max_new_tokens: int,
                      on_step: Callable[[StepState], object] | None = None) -> tuple[Outcome, str]:
             inputs = tokenizer(prompt, return_tensors="pt")
             outcome = run(model, **inputs, max_new_tokens=max_new_tokens, tokenizer=tokenizer, stop=stop,

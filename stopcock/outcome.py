@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .state import StepState
+
 __all__ = ["Outcome"]
 
 
@@ -34,6 +36,51 @@ class Outcome:
     row_reasons: list[str] | None = None
     detail: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def without_output(
+        cls,
+        last: StepState | None,
+        *,
+        reason: str,
+        stopped: bool = True,
+        elapsed: float = 0.0,
+        stop_latency: float | None = None,
+        mode: str = "finish",
+        detail: str | None = None,
+    ) -> Outcome:
+        """The Outcome of a run that returned nothing from the library: it never started, was
+        abandoned inside a step, or failed. Its progress is that of ``last``, the last step seen
+        (none: step 0); its latents and token ids are that step's."""
+        last = last or StepState()
+        return cls(
+            stopped=stopped,
+            reason=reason,
+            steps=last.step,
+            total_steps=last.total,
+            elapsed=elapsed,
+            stop_latency=stop_latency,
+            output=None,
+            mode=mode,
+            latents=last.latents,
+            detail=detail,
+            extra={} if last.input_ids is None else {"input_ids": last.input_ids},
+        )
+
+    def describe(self, unit: str = "step") -> str:
+        """One readable line: how it ended, after how many ``unit``s, how fast, and ``detail``."""
+        total = f" of {self.total_steps}" if self.total_steps is not None else ""
+        head = "stopped" if self.stopped else "completed"
+        if self.reason != "completed":
+            head += f" ({self.reason})"
+        parts = [f"{head} after {self.steps}{total} {unit}s in {self.elapsed:.3f} s"]
+        if self.stop_latency is not None:
+            parts.append(f"stop latency {self.stop_latency * 1000:.1f} ms")
+        parts.append(f"mode {self.mode}")
+        if self.partial and self.output is not None:
+            parts.append(f"partial image: {self.partial}")
+        text = ", ".join(parts)
+        return f"{text}. {self.detail}" if self.detail else text
 
     def summary(self) -> dict[str, Any]:
         """The JSON-serialisable fields (everything but ``output``, ``latents`` and ``extra``)."""

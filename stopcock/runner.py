@@ -1,75 +1,106 @@
-"""``run()``: the one entry point. Picks the adapter for the target and returns an Outcome."""
+"""``run()``: the one entry point. Resolves the target's adapter once, binds the stop machinery, runs.
+
+``run(target, *args, stop=, mode=, on_step=, adapter=, kwargs=, **target_kwargs)``: the keyword
+arguments that are not ``run()``'s own go to the target, except the options of its adapter (such
+as diffusers' ``partial=``). A target argument whose name ``run()`` or an adapter uses itself
+(WanAnimatePipeline's own ``mode``) goes in the explicit ``kwargs=`` mapping, which reaches the
+target unchanged.
+"""
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
+from .adapters import REGISTRY, Adapter, UnsupportedTarget, resolve
+from .conditions import StopLike
 from .control import RunControl
 from .outcome import Outcome
 from .state import StepState
+from .types import Mode
 
-__all__ = ["run", "UnsupportedTarget", "adapter_for"]
+__all__ = ["RUN_OPTIONS", "Bound", "UnsupportedTarget", "bind", "run"]
 
-# Adapter modules, tried in order. Each defines ``accepts(target) -> bool``, ``KIND`` (a phrase
-# naming what it drives) and ``run(target, args, kwargs, control, **options) -> Outcome``.
-_ADAPTER_MODULES = ("stopcock.adapters.transformers", "stopcock.adapters.diffusers")
-
-
-class UnsupportedTarget(TypeError):
-    """``run()`` was given something no adapter drives."""
+#: ``run()``'s own keyword arguments besides ``stop=``, which the streams pass through to it.
+RUN_OPTIONS = ("mode", "on_step", "adapter", "kwargs")
 
 
-class Adapter(Protocol):
-    KIND: str
+@dataclass
+class Bound:
+    """A call ready to run: its adapter (resolved once), the target's arguments, the adapter's
+    options, and the run's control (built in the caller's thread, so bad ``stop=``/``mode=`` raise there)."""
 
-    def accepts(self, target: object) -> bool: ...
+    adapter: Adapter
+    target: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    options: dict[str, Any]
+    control: RunControl
 
-    def run(
-        self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], control: RunControl, **options: Any
-    ) -> Outcome: ...
-
-
-def _adapters() -> Iterator[Adapter]:
-    """The adapter modules, imported one at a time (a text run never pays for importing diffusers)."""
-    for name in _ADAPTER_MODULES:
-        try:
-            yield importlib.import_module(name)
-        except ImportError as exc:  # the library is not installed: its targets cannot exist either
-            if exc.name not in ("transformers", "diffusers", "torch"):
-                raise
+    def __call__(self) -> Outcome:
+        with self.control:
+            return self.adapter.run(self.target, self.args, self.kwargs, self.control, **self.options)
 
 
-def adapter_for(target: object) -> Adapter:
-    """The adapter that drives ``target``, or :class:`UnsupportedTarget` listing what is supported."""
-    adapters = []
-    for adapter in _adapters():
-        if adapter.accepts(target):
-            return adapter
-        adapters.append(adapter)
-    kinds = "; ".join(a.KIND for a in adapters) or "none: install stopcock[transformers] or [diffusers]"
-    raise UnsupportedTarget(f"stopcock cannot run a {type(target).__name__!r}. Supported targets: {kinds}.")
+def bind(
+    target: Any,
+    args: tuple[Any, ...],
+    target_kwargs: dict[str, Any],
+    *,
+    stop: StopLike | None = None,
+    mode: Mode = "finish",
+    on_step: Callable[[StepState], object] | None = None,
+    adapter: str | Adapter | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+) -> Bound:
+    """Check everything that can be checked before the run and bind it (see :func:`run`)."""
+    control = RunControl(stop, mode=mode, on_step=on_step)  # validates stop= and mode= first
+    found, foreign = resolve(target, REGISTRY, adapter)
+    target_kwargs = dict(target_kwargs)
+    options = {name: target_kwargs.pop(name) for name in found.options if name in target_kwargs}
+    wrong = sorted(foreign & target_kwargs.keys())
+    if wrong:
+        names = ", ".join(f"{name}=" for name in wrong)
+        raise TypeError(
+            f"{names} is an option of another stopcock adapter, not of the {found.name} adapter that"
+            f" drives a {type(target).__name__} (e.g. partial= is for diffusers pipelines); to pass it"
+            f" to the target itself, use kwargs={{{wrong[0]!r}: ...}}"
+        )
+    if kwargs is not None:
+        if not isinstance(kwargs, Mapping):
+            raise TypeError(
+                f"kwargs= takes a mapping of the target's keyword arguments, got {type(kwargs).__name__}"
+            )
+        twice = sorted(kwargs.keys() & target_kwargs.keys())
+        if twice:
+            raise TypeError(
+                f"{', '.join(twice)} given both in kwargs= and as a keyword argument: give it once"
+            )
+        target_kwargs.update(kwargs)
+    return Bound(found, target, args, target_kwargs, options, control)
 
 
 def run(
     target: Any,
     *args: Any,
-    stop: object = None,
-    mode: str = "finish",
+    stop: StopLike | None = None,
+    mode: Mode = "finish",
     on_step: Callable[[StepState], object] | None = None,
-    **kwargs: Any,
+    adapter: str | Adapter | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    **target_kwargs: Any,
 ) -> Outcome:
-    """Run ``target(*args, **kwargs)`` with the stop machinery attached.
+    """Run ``target(*args, **target_kwargs)`` with the stop machinery attached.
 
     ``stop`` is a :class:`~stopcock.StopSignal`, a condition, or a list of them. ``mode="finish"``
     ends at the next step and returns the (partial) output the library builds; ``mode="abort"``
     abandons the run inside the model forward at the next block. ``on_step(state)`` is called after
-    each step. Other keyword arguments go to the target unchanged, except adapter options such as
-    ``partial=`` for diffusers.
+    each step. ``adapter`` names the adapter to use ("transformers", "diffusers", or an adapter
+    object) instead of detecting it. Keyword arguments go to the target unchanged, except the
+    adapter's own options (``partial=`` for diffusers); ``kwargs=`` is a mapping of target
+    arguments passed as they are, for a name that ``run()`` itself uses (e.g. a pipeline's ``mode``).
     """
-    control = RunControl(stop, mode=mode, on_step=on_step)  # validates stop= and mode= first
-    adapter = adapter_for(target)
-    options = {k: kwargs.pop(k) for k in ("partial",) if k in kwargs}
-    with control:
-        return adapter.run(target, args, kwargs, control, **options)
+    return bind(
+        target, args, target_kwargs, stop=stop, mode=mode, on_step=on_step, adapter=adapter, kwargs=kwargs
+    )()

@@ -16,6 +16,11 @@ class StepState:
     ``total`` is the planned number when known. ``block`` is True for checks made inside a model
     forward (abort mode), where only conditions that can change between steps are evaluated.
     The tensor fields hold the library's tensors for the step, or None where they do not apply.
+
+    For text, ``input_ids`` holds every row so far, prompt included: its first ``prompt_length``
+    tokens are the prompt of the current ``generate`` call, and ``generation`` counts those calls
+    within the run (a pipeline given several prompts makes one per prompt), so a consumer decodes
+    exactly the new tokens without guessing where generation started.
     """
 
     step: int = 0
@@ -26,4 +31,6 @@ class StepState:
     latents: Any = None
     timestep: Any = None
     block: bool = False
+    prompt_length: int | None = None
+    generation: int = 0
     extra: dict[str, Any] = field(default_factory=dict)

@@ -12,7 +12,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def text_model_dir(tmp_path_factory: pytest.TempPathFactory):
-    from stopcock.tiny.text import build_text_model
+    from tiny.text import build_text_model
 
     return build_text_model(tmp_path_factory.mktemp("tiny-gpt2"))
 
@@ -38,11 +38,11 @@ def text_pipe(text_model, tokenizer):
     return pipeline("text-generation", model=text_model, tokenizer=tokenizer)
 
 
-# -- diffusers (stopcock.tiny.image) --------------------------------------------------------------
+# -- diffusers (tiny.image) --------------------------------------------------------------
 @pytest.fixture(scope="session")
 def image_model_dir(tmp_path_factory: pytest.TempPathFactory):
     """A tiny Stable Diffusion pipeline saved with save_pretrained (64x64 images)."""
-    from stopcock.tiny.image import build_image_model
+    from tiny.image import build_image_model
 
     return build_image_model(tmp_path_factory.mktemp("tiny-sd"))
 

@@ -17,7 +17,7 @@ import torch
 from diffusers import DiffusionPipeline
 
 import stopcock
-from stopcock.tiny import image as tiny
+from tiny import image as tiny
 
 STEPS = 4
 

@@ -8,7 +8,7 @@ import torch
 from diffusers import TaylorSeerCacheConfig
 
 import stopcock
-from stopcock.tiny import image as tiny
+from tiny import image as tiny
 
 
 def flux_kwargs():

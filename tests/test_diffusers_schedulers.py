@@ -20,8 +20,8 @@ from diffusers import (
 )
 
 import stopcock
-from stopcock.tiny import image as tiny
-from stopcock.tiny.image import SD_BETAS
+from tiny import image as tiny
+from tiny.image import SD_BETAS
 
 STEPS = 5
 SCHEDULERS = {

@@ -13,7 +13,7 @@ from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback, SDCFGC
 
 import stopcock
 import stopcock.adapters.diffusers
-from stopcock.tiny import image as tiny
+from tiny import image as tiny
 
 STEPS = 6
 

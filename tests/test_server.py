@@ -337,7 +337,7 @@ def test_image_job_on_a_text_only_server_is_refused(text_pipe):
 def test_image_backends_check_what_the_pipeline_takes():
     from stopcock.server.engine import InvalidJob, JobSpec
     from stopcock.server.schemas import ImageParameters
-    from stopcock.tiny.image import ddpm_pipeline, lcm_pipeline
+    from tiny.image import ddpm_pipeline, lcm_pipeline
 
     with pytest.raises(ValueError, match="takes no prompt"):
         ImageBackend(ddpm_pipeline(), "ddpm")  # takes no prompt

@@ -67,7 +67,7 @@ def test_decoded_preview_of_the_last_step_is_the_image(image_pipe):
 
 
 def test_preview_errors_name_the_fix():
-    from stopcock.tiny.image import ddpm_pipeline
+    from tiny.image import ddpm_pipeline
 
     ddpm = ddpm_pipeline()
     with pytest.raises(ValueError, match="preview='latent'"):

@@ -1,1 +1,43 @@
-"""Bridges from the stop machinery into each library's own mechanisms."""
+"""Bridges from the stop machinery into each library's own mechanisms: the adapter registry.
+
+Each entry is loaded (imported) on first use only; see :mod:`stopcock.adapters.base` for the
+interface and how to add one.
+"""
+
+from __future__ import annotations
+
+from .base import Adapter, Registered, UnsupportedTarget, resolve
+
+__all__ = ["REGISTRY", "Adapter", "Registered", "UnsupportedTarget", "resolve"]
+
+
+def _transformers() -> Adapter:
+    from .transformers import ADAPTER
+
+    return ADAPTER
+
+
+def _diffusers() -> Adapter:
+    from .diffusers import ADAPTER
+
+    return ADAPTER
+
+
+#: The adapters, in the order detection tries them.
+REGISTRY: tuple[Registered, ...] = (
+    Registered(
+        name="transformers",
+        library="transformers",
+        kind="transformers (a model with .generate, a text-generation pipeline, any other transformers"
+        " Pipeline)",
+        options=frozenset(),
+        load=_transformers,
+    ),
+    Registered(
+        name="diffusers",
+        library="diffusers",
+        kind="diffusers pipelines (DiffusionPipeline, ModularPipeline)",
+        options=frozenset({"partial"}),
+        load=_diffusers,
+    ),
+)

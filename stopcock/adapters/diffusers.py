@@ -38,16 +38,16 @@ from diffusers import DiffusionPipeline, ModularPipeline
 from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
-from ..conditions import StopStrings
+from ..conditions import StopLike, refuse_row_conditions
 from ..control import Abort, RunControl
+from ..events import StreamEvents
 from ..hooks import find_blocks, pre_hooks
 from ..outcome import Outcome
+from ..previews import previewer
 from ..state import StepState
+from ..types import PARTIALS, Mode, Partial, choice
 
-__all__ = ["KIND", "accepts", "run", "attach", "step_callback", "guard", "honours_interrupt", "Handle"]
-
-KIND = "diffusers pipelines (DiffusionPipeline, ModularPipeline)"
-PARTIALS = ("raw", "denoised")
+__all__ = ["ADAPTER", "DiffusersAdapter", "attach", "step_callback", "guard", "honours_interrupt", "Handle"]
 
 # transformers generate() arguments that diffusers pipelines ignore (those taking **kwargs) or reject.
 GENERATE_ONLY = frozenset(
@@ -72,7 +72,7 @@ _active: weakref.WeakSet[Any] = weakref.WeakSet()  # pipelines with a binding in
 _active_lock = threading.Lock()
 
 
-def accepts(target: object) -> bool:
+def _is_pipeline(target: object) -> bool:
     return isinstance(target, (DiffusionPipeline, ModularPipeline))
 
 
@@ -191,15 +191,9 @@ class _StepWrapper:
 class _Binding:
     """One run's hooks on one pipeline: installed on enter, removed (and the pipeline reset) on exit."""
 
-    def __init__(self, pipe: Any, control: RunControl, partial: str | None = None) -> None:
-        if partial is not None and partial not in PARTIALS:
-            raise ValueError(f"partial must be one of {PARTIALS} or None, got {partial!r}")
-        for leaf in control.condition.parts() if control.condition is not None else ():
-            if isinstance(leaf, StopStrings):
-                raise ValueError(
-                    "stop_strings() applies to text generation only; to stop a diffusers pipeline use"
-                    " a StopSignal, timeout(), deadline(), max_steps() or when()"
-                )
+    def __init__(self, pipe: Any, control: RunControl, partial: Partial | None = None) -> None:
+        choice("partial", partial, PARTIALS, optional=True)
+        refuse_row_conditions(control.condition, "a diffusers pipeline")
         self.pipe = pipe
         self.control = control
         self.partial = partial or "raw"
@@ -389,26 +383,44 @@ def _planned_steps(kwargs: dict[str, Any]) -> int | None:
 
 
 # -- public entry points ----------------------------------------------------------------------------
-def run(
-    target: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    control: RunControl,
-    *,
-    partial: str | None = None,
-) -> Outcome:
-    """The adapter behind ``stopcock.run(pipe, ...)`` for diffusers pipelines."""
-    _reject_generate_args(target, kwargs)
-    binding = _Binding(target, control, partial)
-    if len(binding.schedulers()) == 1:  # a combined pipeline's stages add up, known as each one starts
-        control.total = _planned_steps(kwargs)
-    output = None
-    with binding:
-        if control.check():
-            binding.notes.append("stopped before the first step: the pipeline was not called")
-        else:
-            output = target(*args, **kwargs)
-    return binding.outcome(output)
+class DiffusersAdapter:
+    """The adapter for diffusers pipelines (see the module docstring)."""
+
+    name = "diffusers"
+    options = frozenset({"partial"})
+
+    def accepts(self, target: object) -> bool:
+        return _is_pipeline(target)
+
+    def run(
+        self,
+        target: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        control: RunControl,
+        **options: Any,
+    ) -> Outcome:
+        """The adapter behind ``stopcock.run(pipe, ...)`` for diffusers pipelines (``partial=``)."""
+        _reject_generate_args(target, kwargs)
+        binding = _Binding(target, control, options.get("partial"))
+        if len(binding.schedulers()) == 1:  # a combined pipeline's stages add up, known as each one starts
+            control.total = _planned_steps(kwargs)
+        output = None
+        with binding:
+            if control.check():
+                binding.notes.append("stopped before the first step: the pipeline was not called")
+            else:
+                output = target(*args, **kwargs)
+        return binding.outcome(output)
+
+    def stream_events(
+        self, target: Any, kwargs: dict[str, Any], *, tokenizer: Any, preview: str | None, preview_every: int
+    ) -> StreamEvents:
+        """A :class:`~stopcock.events.Step` per denoising step, with ``preview`` images when asked."""
+        return StreamEvents(preview=previewer(target, preview), preview_every=preview_every)
+
+
+ADAPTER = DiffusersAdapter()
 
 
 class Handle:
@@ -425,10 +437,10 @@ class Handle:
 @contextmanager
 def attach(
     pipe: Any,
-    stop: object,
+    stop: StopLike,
     *,
-    mode: str = "finish",
-    partial: str | None = None,
+    mode: Mode = "finish",
+    partial: Partial | None = None,
     on_step: Callable[[StepState], object] | None = None,
 ) -> Iterator[Handle]:
     """Stop the calls of ``pipe`` made inside the ``with`` block on ``stop``.
@@ -436,7 +448,7 @@ def attach(
     Installs what the pipeline needs (scheduler step wrapper, forward pre-hooks) and removes it on
     exit. An abort raised inside the block ends the block quietly; ``handle.outcome`` says what happened.
     """
-    if not accepts(pipe):
+    if not _is_pipeline(pipe):
         raise TypeError(f"attach() takes a diffusers pipeline, got {type(pipe).__name__}")
     with RunControl(stop, mode=mode, on_step=on_step) as control:
         binding = _Binding(pipe, control, partial)
@@ -451,7 +463,7 @@ class _StepStopper:
 
     def __init__(
         self,
-        stop: object,
+        stop: StopLike,
         on_step: Callable[[StepState], object] | None,
         callback: Callable[..., Any] | None = None,
     ) -> None:
@@ -500,7 +512,7 @@ class _StopperCallback(PipelineCallback):
 
 
 def step_callback(
-    stop: object,
+    stop: StopLike,
     callback: Callable[..., Any] | PipelineCallback | MultiPipelineCallbacks | None = None,
     *,
     on_step: Callable[[StepState], object] | None = None,
@@ -529,7 +541,7 @@ def guard(pipe: Any) -> Any:
     Many pipelines take ``**kwargs`` and silently ignore them. Changes the instance's class to a
     subclass of the same name (idempotent); returns ``pipe``.
     """
-    if not accepts(pipe):
+    if not _is_pipeline(pipe):
         raise TypeError(f"guard() takes a diffusers pipeline, got {type(pipe).__name__}")
     cls = type(pipe)
     if not vars(cls).get("_stopcock_guarded", False):

@@ -19,29 +19,20 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
-import stopcock
-
+from ..conditions import from_options
+from ..errors import UserError
+from ..events import RowDecoder
+from ..files import png_base64
+from ..loading import load_image_pipeline, load_text_model, resolve_model
 from ..outcome import Outcome
+from ..previews import latent_preview, previewable
+from ..runner import run
 from ..state import StepState
-from ..stream import TextDecoder, latent_preview
-from .engine import Backend, InvalidJob, JobSpec, RunContext, png_base64
+from ..tiny.demo import DESCRIPTIONS
+from .contract import Backend, InvalidJob, JobSpec, RunContext
 from .schemas import ImageParameters
 
-__all__ = ["ImageBackend", "TextBackend", "conditions", "load_backends"]
-
-
-def conditions(stop: Mapping[str, Any]) -> list[stopcock.Condition]:
-    """The stopcock conditions for a job's ``stop`` object."""
-    found: list[stopcock.Condition] = []
-    if "timeout" in stop:
-        found.append(stopcock.timeout(stop["timeout"]))
-    if "deadline" in stop:
-        found.append(stopcock.deadline(stop["deadline"]))
-    if "max_steps" in stop:
-        found.append(stopcock.max_steps(stop["max_steps"]))
-    if stop.get("stop_strings"):
-        found.append(stopcock.stop_strings(stop["stop_strings"]))
-    return found
+__all__ = ["ImageBackend", "TextBackend", "load_backends"]
 
 
 class TextBackend:
@@ -61,10 +52,8 @@ class TextBackend:
 
     @classmethod
     def load(cls, model: str, name: str | None = None, description: str = "") -> TextBackend:
-        """Load a folder or hub id (a clear :class:`~stopcock.cli.CliError` if that fails)."""
+        """Load a folder or hub id (a clear :class:`~stopcock.errors.UserError` if that fails)."""
         from transformers import pipeline
-
-        from ..cli import load_text_model
 
         lm, tokenizer = load_text_model(model)
         return cls(pipeline("text-generation", model=lm, tokenizer=tokenizer), name or model, description)
@@ -137,30 +126,24 @@ class TextLane:
         params = spec.params
         prompt = self.backend.prompt(spec)
         prompt_len = len(self.backend.tokenizer(prompt)["input_ids"])
-        decoder = TextDecoder(self.backend.tokenizer)
+        rows = RowDecoder(self.backend.tokenizer)
         pieces: list[str] = []
-        consumed: int | None = None  # tokens of the row already decoded (the prompt, at first)
 
-        def report(state: StepState) -> None:
-            nonlocal consumed
-            row = state.input_ids[0]
-            if consumed is None:
-                consumed = len(row) - state.step
-            pieces.append(decoder.push(row[consumed:].tolist()))
-            consumed = len(row)
-            ctx.text(pieces[-1], state.step)
+        def publish(chunks: list[Any], step: int) -> None:
+            for chunk in chunks:
+                pieces.append(chunk.text)
+                ctx.text(chunk.text, step)
 
-        outcome = stopcock.run(
+        outcome = run(
             self.pipe,
             prompt,
-            stop=ctx.stop(conditions(spec.stop)),
-            on_step=ctx.on_step(report),
+            stop=ctx.stop(from_options(spec.stop)),
+            on_step=ctx.on_step(lambda state: publish(rows.chunks(state), state.step)),
             max_new_tokens=params["max_tokens"],
             return_full_text=False,
             **self.decoding(params),
         )
-        pieces.append(decoder.flush())
-        ctx.text(pieces[-1], outcome.steps)
+        publish(rows.flush(), outcome.steps)
         ctx.set_result(text="".join(pieces), prompt_tokens=prompt_len, completion_tokens=outcome.steps)
         return outcome
 
@@ -190,13 +173,11 @@ class ImageBackend:
 
     @classmethod
     def load(cls, model: str, name: str | None = None, description: str = "") -> ImageBackend:
-        """Load a folder or hub id (a clear :class:`~stopcock.cli.CliError` if that fails)."""
-        from ..cli import CliError, load_image_pipeline
-
+        """Load a folder or hub id (a clear :class:`~stopcock.errors.UserError` if that fails)."""
         try:
             return cls(load_image_pipeline(model), name or model, description)
         except ValueError as exc:
-            raise CliError(f"{model}: {exc}") from None
+            raise UserError(f"{model}: {exc}") from None
 
     def call_kwargs(self, params: Mapping[str, Any]) -> dict[str, Any]:
         """The pipeline's arguments for ``params``; a parameter set to something else than its
@@ -236,13 +217,13 @@ class ImageLane:
         preview = params["previews"] and getattr(self.pipe, "vae", None) is not None
 
         def report(state: StepState) -> None:
-            if preview and getattr(state.latents, "ndim", None) == 4 and state.latents.shape[1] == 4:
+            if preview and previewable(state.latents):
                 ctx.preview(latent_preview(state.latents, xl=xl), state.step)
 
-        outcome = stopcock.run(
+        outcome = run(
             self.pipe,
             prompt=spec.prompt,
-            stop=ctx.stop(conditions(spec.stop)),
+            stop=ctx.stop(from_options(spec.stop)),
             on_step=ctx.on_step(report),
             partial=params["partial"],
             generator=generator,
@@ -257,11 +238,8 @@ def load_backends(text_model: str | None, image_model: str | None) -> dict[str, 
     """The backends to serve: the models given, or both built-in demo models when none is.
 
     A model is a local folder or a hub id; one that cannot be loaded raises
-    :class:`stopcock.cli.CliError` with a one-line message naming the fix.
+    :class:`stopcock.errors.UserError` with a one-line message naming the fix.
     """
-    from ..cli import resolve_model
-    from ..tiny.demo import DESCRIPTIONS
-
     demo = text_model is None and image_model is None
     backends: dict[str, Backend] = {}
     if demo or text_model is not None:

@@ -1,169 +1,50 @@
-"""The job engine: a registry of generation jobs, a bounded queue, worker slots and the stop path.
+"""The in-process engine: a registry of generation jobs, a bounded queue, worker slots and the stop path.
 
-The app talks to an :class:`Engine` only (submit, get, list, stop, wait, events, result), with ids,
-owners and JSON-able views and events, so a distributed backend can replace :class:`LocalEngine`
-without touching the app. :class:`LocalEngine` runs jobs in-process: ``concurrency`` worker
-threads, each with its own lane of the models, take jobs from a bounded FIFO queue. A worker
-takes the next job only once its current run has returned, so a stopped job frees its slot when
-its pipeline has actually stopped, never before, and two runs never overlap on one lane.
-
-Job states: ``queued`` -> ``running`` -> ``stopping`` (a stop was requested) -> ``stopped`` |
-``completed`` | ``failed``; a queued job that is stopped goes straight to ``stopped`` without
-running. Events (``Event.type``): ``queued``, ``started``, ``progress`` (step, total), ``text``
-(a chunk of generated text), ``preview`` (a PNG of the current step, base64), ``done`` (the
-final view, with the Outcome summary).
+:class:`LocalEngine` implements :class:`~stopcock.server.contract.Engine` in one process:
+``concurrency`` worker threads, each with its own lane of the models, take jobs from a bounded FIFO
+queue. A worker takes the next job only once its current run has returned, so a stopped job frees
+its slot when its pipeline has actually stopped, never before, and two runs never overlap on one
+lane. The contract (specs, views, events, states, errors) is in :mod:`stopcock.server.contract`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import collections
-import io
 import logging
 import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from .._wake import loop_waker
 from ..conditions import Condition
+from ..files import png_base64
 from ..outcome import Outcome
 from ..signal import StopSignal
 from ..state import StepState
+from .contract import (
+    FINAL_STATES,
+    Backend,
+    Engine,
+    Event,
+    InvalidJob,
+    JobNotFound,
+    JobSpec,
+    JobView,
+    KindNotServed,
+    Lane,
+    QueueFull,
+    RunContext,
+)
 
-__all__ = [
-    "FINAL_STATES",
-    "Backend",
-    "Engine",
-    "Event",
-    "InvalidJob",
-    "JobNotFound",
-    "KindNotServed",
-    "JobSpec",
-    "JobView",
-    "Lane",
-    "LocalEngine",
-    "QueueFull",
-    "RunContext",
-]
+__all__ = ["LocalEngine"]
+# The contract's names, importable from here as before (``stopcock.server.engine.Engine``).
+__all__ += ["FINAL_STATES", "Backend", "Engine", "Event", "InvalidJob", "JobNotFound", "JobSpec", "JobView",
+            "KindNotServed", "Lane", "QueueFull", "RunContext"]
 
 log = logging.getLogger("stopcock.server")
-
-FINAL_STATES = frozenset({"stopped", "completed", "failed"})
-
-
-class JobNotFound(LookupError):
-    """No job with this id for this owner (another owner's job is not found either)."""
-
-
-class QueueFull(RuntimeError):
-    """The queue holds ``queue_size`` jobs already: try again later."""
-
-
-class KindNotServed(LookupError):
-    """The server has no model for this kind of job."""
-
-
-class InvalidJob(ValueError):
-    """The job does not fit the model (e.g. a prompt longer than its context)."""
-
-
-@dataclass(frozen=True)
-class JobSpec:
-    """What to run: validated, JSON-able, backend-agnostic.
-
-    ``prompt`` is the text prompt, or None when ``messages`` (chat) is given. ``params`` are the
-    generation parameters of the kind; ``stop`` the stop conditions (timeout, deadline,
-    max_steps, stop_strings).
-    """
-
-    kind: str
-    prompt: str | None
-    params: Mapping[str, Any] = field(default_factory=dict)
-    stop: Mapping[str, Any] = field(default_factory=dict)
-    messages: tuple[Mapping[str, str], ...] | None = None
-
-
-@dataclass(frozen=True)
-class Event:
-    """One job event; ``seq`` counts from 1 in the order of the job's events."""
-
-    seq: int
-    type: str
-    data: Mapping[str, Any]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"seq": self.seq, "type": self.type, **self.data}
-
-
-@dataclass(frozen=True)
-class JobView:
-    """A snapshot of a job, as the API shows it."""
-
-    id: str
-    kind: str
-    state: str
-    step: int
-    total: int | None
-    reason: str | None
-    stop_step: int | None
-    created: float
-    started: float | None
-    finished: float | None
-    outcome: Mapping[str, Any] | None
-    error: str | None
-
-    def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-
-class Lane(Protocol):
-    """A worker's own instance of one kind of model; runs one job at a time."""
-
-    def execute(self, spec: JobSpec, ctx: RunContext) -> Outcome: ...
-
-
-class Backend(Protocol):
-    """One kind of model: checks a job before it is queued, and builds a lane per worker."""
-
-    kind: str
-    name: str
-    description: str
-
-    def validate(self, spec: JobSpec) -> None: ...
-
-    def lane(self) -> Lane: ...
-
-
-class Engine(Protocol):
-    """What the app needs from a job engine. ``owner`` scopes every lookup.
-
-    ``models`` maps each served kind to ``{"id": ..., "description": ...}``.
-    """
-
-    models: Mapping[str, Mapping[str, str]]
-
-    async def submit(self, spec: JobSpec, owner: str) -> JobView: ...
-
-    async def get(self, job_id: str, owner: str) -> JobView: ...
-
-    async def list(self, owner: str, limit: int = 100) -> list[JobView]: ...
-
-    async def stop(self, job_id: str, owner: str, reason: str = "user", wait: bool = True) -> JobView: ...
-
-    async def wait(self, job_id: str, owner: str, timeout: float | None = None) -> JobView: ...
-
-    def events(self, job_id: str, owner: str, after: int = 0) -> AsyncIterator[Event]: ...
-
-    async def result(self, job_id: str, owner: str) -> dict[str, Any]: ...
-
-    def stats(self) -> dict[str, int]: ...
-
-    async def aclose(self) -> None: ...
-
 
 class _Changes:
     """A version counter that threads and event loops can wait on."""
@@ -280,8 +161,8 @@ class _Reached(Condition):
         return "reached()"
 
 
-class RunContext:
-    """What a lane gets for one job: its stop conditions, and ways to report progress and results."""
+class _JobContext:
+    """The :class:`~stopcock.server.contract.RunContext` of one job run by this engine."""
 
     def __init__(self, job: _Job, step_delay: float) -> None:
         self._job = job
@@ -319,11 +200,6 @@ class RunContext:
         with self._job.lock:
             self._job.result = result
 
-
-def png_base64(image: Any) -> str:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 class LocalEngine:
@@ -526,7 +402,7 @@ class LocalEngine:
         """Run the job; returns its final state, reason, Outcome summary and error."""
         job.emit("started")
         try:
-            outcome = lane.execute(job.spec, RunContext(job, self.step_delay))
+            outcome = lane.execute(job.spec, _JobContext(job, self.step_delay))
         except Exception as exc:  # the job reports it as failed; the worker lives on
             log.exception("job %s failed", job.id)
             return "failed", "error", None, f"{type(exc).__name__}: {exc}"

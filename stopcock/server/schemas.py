@@ -11,7 +11,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
-from .engine import JobSpec
+from ..conditions import AnyOf, from_options, refuse_row_conditions
+from ..types import Partial
+from .contract import JobSpec
 
 # Limits. Prompt length is also checked in tokens against the model (see the text lane).
 MAX_PROMPT_CHARS = 4000
@@ -69,7 +71,7 @@ class ImageParameters(Strict):
     negative_prompt: Annotated[str, StringConstraints(max_length=MAX_PROMPT_CHARS)] | None = None
     seed: Seed | None = None
     previews: bool = Field(default=True, description="send a preview image with each step")
-    partial: Literal["denoised", "raw"] = Field(
+    partial: Partial = Field(
         default="denoised", description="what a stopped image shows: the denoised estimate or the raw latents"
     )
 
@@ -98,9 +100,11 @@ class ImageJob(_JobBody):
     parameters: ImageParameters = Field(default_factory=lambda: ImageParameters())
 
     @model_validator(mode="after")
-    def _no_stop_strings(self) -> ImageJob:
-        if self.stop.stop_strings:
-            raise ValueError("stop.stop_strings applies to text jobs only; remove it for an image job")
+    def _no_row_conditions(self) -> ImageJob:
+        found = from_options(self.stop.model_dump(exclude_none=True))
+        if found:
+            fix = "remove stop.stop_strings (for text jobs only)"
+            refuse_row_conditions(AnyOf(*found), "image jobs", fix)
         return self
 
 

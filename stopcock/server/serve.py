@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..errors import UserError
+
 __all__ = ["STEP_DELAY_ENV", "add_parser", "main", "read_keys", "serve"]
 
 #: Test-only throttle: seconds to wait after each step of every job (so a browser test can click
@@ -73,17 +75,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def read_keys(args: argparse.Namespace) -> list[str]:
-    from ..cli import CliError
-
     if args.api_keys_file is None:
         return list(args.api_key or [])
     try:
         lines = Path(args.api_keys_file).read_text("utf-8").splitlines()
     except OSError as exc:
-        raise CliError(f"cannot read --api-keys-file: {exc}") from None
+        raise UserError(f"cannot read --api-keys-file: {exc}") from None
     keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
     if not keys:
-        raise CliError(f"--api-keys-file {args.api_keys_file} holds no keys (one per line, # for comments)")
+        raise UserError(f"--api-keys-file {args.api_keys_file} holds no keys (one per line, # for comments)")
     return keys
 
 
@@ -100,12 +100,10 @@ def serve(args: argparse.Namespace) -> int:
     A model or key file that cannot be used is a one-line error and exit status 1 (handled here,
     so that it holds however the command was started).
     """
-    from ..cli import CliError
-
     try:
         keys = read_keys(args)
         backends = _load(args, keys)
-    except CliError as exc:
+    except UserError as exc:
         print(f"stopcock serve: error: {exc}", file=sys.stderr)
         return 1
     _run(args, keys, backends)
@@ -113,11 +111,10 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def _load(args: argparse.Namespace, keys: list[str]) -> dict[str, Any]:
-    from ..cli import CliError
     from .backends import load_backends
 
     if any(not k.strip() for k in keys):
-        raise CliError("an API key cannot be empty or blank")
+        raise UserError("an API key cannot be empty or blank")
     if not keys and not _loopback(args.host):
         print(
             f"stopcock serve: warning: {args.host} is not loopback and no --api-key is set: anyone who"

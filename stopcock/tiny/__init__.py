@@ -1,4 +1,5 @@
-"""Tiny real models built offline from configs: the demo models and the test fixtures.
+"""The demo models that ship with stopcock (``demo_model("text")``, ``demo_model("image")``).
 
-Nothing here downloads anything. Weights are random unless a builder says otherwise.
+The random-weight builders the tests and benchmarks use are not installed: they live in the
+repository's top-level ``tiny/`` folder.
 """

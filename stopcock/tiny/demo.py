@@ -1,7 +1,7 @@
 """The built-in demo models: ``demo_model("text")`` and ``demo_model("image")``.
 
 Both are tiny, trained briefly on CPU on data that ships with Python or scikit-learn, and committed
-with the package (``demo_text/``, ``demo_image/``; :mod:`stopcock.tiny.train` made them), so the
+with the package (``demo_text/``, ``demo_image/``; :mod:`tiny.train`, in the repository, made them), so the
 demo's output is recognisable and nothing is downloaded or built at run time. Each is a folder that
 ``from_pretrained`` loads offline.
 """

@@ -1,4 +1,4 @@
-"""How the committed demo models were made: ``python -m stopcock.tiny.train text|image FOLDER``.
+"""How the committed demo models were made: ``python -m tiny.train text|image FOLDER``.
 
 Both are trained briefly on CPU on data that ships with Python or a PyPI package, so the demo's
 output is recognisable instead of noise:

@@ -1,0 +1,144 @@
+"""What a command-line run shows and how it reacts: progress on stderr, text echoed as it is
+generated, and Ctrl+C handling by phase (see :class:`CtrlC`)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import Any, TextIO
+
+from .events import RowDecoder
+from .signal import StopSignal
+from .state import StepState
+
+__all__ = ["INTERRUPTED", "CtrlC", "Progress", "TextEcho", "say"]
+
+INTERRUPTED = "interrupted"
+
+
+class Progress:
+    """The ``on_step`` hook of a CLI run: remembers the last state and shows progress.
+
+    ``style`` is "bar" (one redrawn line), "lines" (one line per step, for logs and for tests
+    that follow a run) or "none". ``echo`` is called first with each state (text streaming).
+    """
+
+    def __init__(
+        self, style: str, *, unit: str = "step", echo: Callable[[StepState], None] | None = None
+    ) -> None:
+        self.style = style
+        self.unit = unit
+        self.echo = echo
+        self.stream = sys.stderr
+        self.last: StepState | None = None
+        self.started = time.monotonic()
+
+    def __call__(self, state: StepState) -> None:
+        self.last = state
+        if self.echo is not None:
+            self.echo(state)
+        if self.style == "none":
+            return
+        total = state.total
+        eta = state.elapsed / state.step * (total - state.step) if total and state.step else None
+        eta_text = "?" if eta is None else f"{eta:.1f}s"
+        if self.style == "lines":
+            print(f"{self.unit} {state.step}/{total or '?'} elapsed {state.elapsed:.2f}s eta {eta_text}",
+                  file=self.stream, flush=True)
+            return
+        width = 30
+        filled = width * state.step // total if total else 0
+        bar = f"[{'#' * filled}{'.' * (width - filled)}]" if total else ""
+        self.stream.write(f"\r{self.unit} {state.step}/{total or '?'} {bar} eta {eta_text}   ")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.style == "bar" and self.last is not None:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+class TextEcho:
+    """Prints the generated text (batch row 0) to ``out`` as tokens arrive.
+
+    Decoding is :class:`stopcock.events.RowDecoder`'s, as in streams and the server: a character
+    split across tokens is printed whole once complete.
+    """
+
+    def __init__(self, tokenizer: Any, out: TextIO) -> None:
+        self.rows = RowDecoder(tokenizer)
+        self.out = out
+
+    def __call__(self, state: StepState) -> None:
+        if state.input_ids is not None:
+            self._show("".join(chunk.text for chunk in self.rows.chunks(state) if chunk.row == 0))
+
+    def finish(self) -> None:
+        self._show("".join(chunk.text for chunk in self.rows.flush() if chunk.row == 0) + "\n")
+
+    def _show(self, text: str) -> None:
+        if text:
+            self.out.write(text)
+            self.out.flush()
+
+
+class CtrlC:
+    """SIGINT handling for one command (main thread only), by the phase it is in.
+
+    ``"loading"`` (before the run): ``KeyboardInterrupt`` at once; there is nothing to keep, and the
+    command reports that it was interrupted at step 0.
+    ``"running"``: the first press calls ``stop.stop("interrupted")``. The run is in finish mode, so it
+    ends at the next step boundary and the library builds its normal (partial) output, which the CLI
+    saves. The second press raises ``KeyboardInterrupt`` from the handler. A run started in finish
+    mode has no block hooks to abort through, so the exception itself abandons the step in flight,
+    wherever the main thread is (inside the model forward, or in the VAE decode); the adapters'
+    cleanup runs on the way out. The CLI then reports mode "abort" with what the last finished step
+    produced.
+    ``"ended"`` (saving and reporting the result): a press is acknowledged and otherwise ignored, so
+    the saved file and the JSON are never cut off half-written.
+    Presses during the run and after it write a line to stderr at once.
+    """
+
+    def __init__(self) -> None:
+        self.stop = StopSignal()
+        self.presses = 0  # during the run
+        self.phase = "loading"
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if self.phase == "loading":
+            raise KeyboardInterrupt
+        if self.phase == "ended":
+            say("\nstopcock: the run has ended: saving and reporting its result first\n")
+            return
+        self.presses += 1
+        if self.presses == 1:
+            self.stop.stop(INTERRUPTED)
+            say("\nstopcock: interrupted: stopping at the next step and keeping the partial result"
+                " (Ctrl+C again to abort now)\n")
+            return
+        say("\nstopcock: aborting now\n")
+        raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[CtrlC]:
+        """Handle SIGINT while the block runs; a no-op off the main thread (Python delivers signals there)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = signal.signal(signal.SIGINT, self)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+
+def say(message: str) -> None:
+    """Write to stderr from a signal handler: a raw write, never the (maybe busy) buffered stream."""
+    with contextlib.suppress(OSError):
+        os.write(2, message.encode())

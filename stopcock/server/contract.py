@@ -1,0 +1,179 @@
+"""The server's contract: what the app needs from an engine, and what an engine needs from a model.
+
+Everything an engine implementation is written against lives here: the :class:`Engine` protocol
+the app calls, the :class:`Backend`/:class:`Lane` protocols of the models, the :class:`RunContext`
+a lane gets for one job, the JSON-able job spec, views and events, the job states and the errors
+the app turns into HTTP answers. :class:`~stopcock.server.engine.LocalEngine` (in-process) is one
+implementation; a distributed engine is another, written against this module alone.
+
+Job states: ``queued`` -> ``running`` -> ``stopping`` (a stop was requested) -> ``stopped`` |
+``completed`` | ``failed``; a queued job that is stopped goes straight to ``stopped`` without
+running. Events (``Event.type``): ``queued``, ``started``, ``progress`` (step, total), ``text``
+(a chunk of generated text), ``preview`` (a PNG of the current step, base64), ``done`` (the
+final view, with the Outcome summary).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..conditions import Condition
+from ..outcome import Outcome
+from ..signal import StopSignal
+from ..state import StepState
+
+__all__ = [
+    "FINAL_STATES",
+    "Backend",
+    "Engine",
+    "Event",
+    "InvalidJob",
+    "JobNotFound",
+    "JobSpec",
+    "JobView",
+    "KindNotServed",
+    "Lane",
+    "QueueFull",
+    "RunContext",
+]
+
+FINAL_STATES = frozenset({"stopped", "completed", "failed"})
+
+
+class JobNotFound(LookupError):
+    """No job with this id for this owner (another owner's job is not found either)."""
+
+
+class QueueFull(RuntimeError):
+    """The queue holds ``queue_size`` jobs already: try again later."""
+
+
+class KindNotServed(LookupError):
+    """The server has no model for this kind of job."""
+
+
+class InvalidJob(ValueError):
+    """The job does not fit the model (e.g. a prompt longer than its context)."""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What to run: validated, JSON-able, backend-agnostic.
+
+    ``prompt`` is the text prompt, or None when ``messages`` (chat) is given. ``params`` are the
+    generation parameters of the kind; ``stop`` the stop conditions as options (timeout, deadline,
+    max_steps, stop_strings: :func:`stopcock.conditions.from_options`).
+    """
+
+    kind: str
+    prompt: str | None
+    params: Mapping[str, Any] = field(default_factory=dict)
+    stop: Mapping[str, Any] = field(default_factory=dict)
+    messages: tuple[Mapping[str, str], ...] | None = None
+
+
+@dataclass(frozen=True)
+class Event:
+    """One job event; ``seq`` counts from 1 in the order of the job's events."""
+
+    seq: int
+    type: str
+    data: Mapping[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"seq": self.seq, "type": self.type, **self.data}
+
+
+@dataclass(frozen=True)
+class JobView:
+    """A snapshot of a job, as the API shows it."""
+
+    id: str
+    kind: str
+    state: str
+    step: int
+    total: int | None
+    reason: str | None
+    stop_step: int | None
+    created: float
+    started: float | None
+    finished: float | None
+    outcome: Mapping[str, Any] | None
+    error: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class RunContext(Protocol):
+    """What a lane gets for one job from the engine that runs it.
+
+    ``signal`` is the job's stop signal. The lane runs ``stopcock.run(..., stop=ctx.stop(conditions),
+    on_step=ctx.on_step(report))`` and reports text, previews and the result through the others.
+    """
+
+    signal: StopSignal
+
+    def stop(self, conditions: Iterable[Condition]) -> list[Condition | StopSignal]:
+        """The run's ``stop=``: the job's signal (and what the engine needs to watch) and ``conditions``."""
+        ...
+
+    def on_step(self, report: Callable[[StepState], None]) -> Callable[[StepState], None]:
+        """The run's ``on_step``: calls ``report(state)``, then records and publishes the progress."""
+        ...
+
+    def text(self, chunk: str, step: int) -> None: ...
+
+    def preview(self, image: Any, step: int) -> None:
+        """Publish a PIL image as the job's current preview."""
+        ...
+
+    def set_result(self, **result: Any) -> None: ...
+
+
+class Lane(Protocol):
+    """A worker's own instance of one kind of model; runs one job at a time."""
+
+    def execute(self, spec: JobSpec, ctx: RunContext) -> Outcome: ...
+
+
+class Backend(Protocol):
+    """One kind of model: checks a job before it is queued, and builds a lane per worker."""
+
+    kind: str
+    name: str
+    description: str
+
+    def validate(self, spec: JobSpec) -> None: ...
+
+    def lane(self) -> Lane: ...
+
+
+class Engine(Protocol):
+    """What the app needs from a job engine. ``owner`` scopes every lookup.
+
+    ``models`` maps each served kind to ``{"id": ..., "description": ...}``. ``stop`` with
+    ``wait`` answers once the stop took effect (the run returned), with the final view.
+    """
+
+    models: Mapping[str, Mapping[str, str]]
+
+    async def submit(self, spec: JobSpec, owner: str) -> JobView: ...
+
+    async def get(self, job_id: str, owner: str) -> JobView: ...
+
+    async def list(self, owner: str, limit: int = 100) -> list[JobView]: ...
+
+    async def stop(self, job_id: str, owner: str, reason: str = "user", wait: bool = True) -> JobView: ...
+
+    async def wait(self, job_id: str, owner: str, timeout: float | None = None) -> JobView: ...
+
+    def events(self, job_id: str, owner: str, after: int = 0) -> AsyncIterator[Event]: ...
+
+    async def result(self, job_id: str, owner: str) -> dict[str, Any]: ...
+
+    def stats(self) -> dict[str, int]: ...
+
+    async def aclose(self) -> None: ...
