@@ -72,9 +72,9 @@ class Condition:
 
 
 class _Composite(Condition):
-    def __init__(self, *conditions: Condition) -> None:
+    def __init__(self, *conditions: Condition | StopSignal) -> None:
         flat: list[Condition] = []
-        for c in conditions:
+        for c in map(as_condition, conditions):
             flat.extend(c.conditions if type(c) is type(self) else [c])  # type: ignore[attr-defined]
         self.conditions: tuple[Condition, ...] = tuple(flat)
 

@@ -7,6 +7,7 @@ import time
 import weakref
 from collections.abc import Callable
 
+from ._callbacks import Callbacks
 from ._wake import loop_waker
 
 __all__ = ["StopSignal"]
@@ -26,7 +27,7 @@ class StopSignal:
         # step, so even a signal handler that interrupts stop() on the same thread cannot overwrite it.
         self._claim: dict[str, tuple[str]] = {}
         self._stopped_at: float | None = None
-        self._callbacks: list[Callable[[], object]] = []
+        self._callbacks = Callbacks(self._cond)
         self._children: weakref.WeakSet[StopSignal] = weakref.WeakSet()
         self._parent: StopSignal | None = None  # a child keeps its parent (and so the chain) alive
 
@@ -62,7 +63,7 @@ class StopSignal:
             if self._claim.setdefault("reason", mine) is not mine:
                 return False
             self._stopped_at = time.monotonic()
-            callbacks, self._callbacks = self._callbacks, []
+            callbacks = self._callbacks.drain()
             children = list(self._children)
             self._cond.notify_all()
         errors: list[BaseException] = []
@@ -101,15 +102,9 @@ class StopSignal:
         """Run ``fn()`` once when stopped (at once if already stopped). Returns a remover."""
         with self._cond:
             if not self.stopped:
-                self._callbacks.append(fn)
-                return lambda: self._remove(fn)
+                return self._callbacks.add(fn)
         fn()
         return lambda: None
-
-    def _remove(self, fn: Callable[[], object]) -> None:
-        with self._cond:
-            if fn in self._callbacks:
-                self._callbacks.remove(fn)
 
     def child(self) -> StopSignal:
         """A new signal stopped (with the same reason) when this one stops, and stoppable alone.

@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any
 
+from .._callbacks import Callbacks
 from .._wake import loop_waker
 from ..conditions import Condition
 from ..files import png_base64
@@ -52,12 +53,12 @@ class _Changes:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self.version = 0
-        self._wakers: list[Callable[[], None]] = []
+        self._wakers = Callbacks(self._cond)
 
     def bump(self) -> None:
         with self._cond:
             self.version += 1
-            wakers, self._wakers = self._wakers, []
+            wakers = self._wakers.drain()
             self._cond.notify_all()
         for wake in wakers:
             wake()
@@ -68,15 +69,13 @@ class _Changes:
         with self._cond:
             if self.version > version:
                 return
-            self._wakers.append(wake)
+            remove = self._wakers.add(wake)
         try:
             await asyncio.wait_for(future, timeout)
         except asyncio.TimeoutError:
             pass
         finally:
-            with self._cond:
-                if wake in self._wakers:
-                    self._wakers.remove(wake)
+            remove()
 
 
 class _Job:
