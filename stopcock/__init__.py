@@ -6,9 +6,7 @@ step (or one block when aborting), with the reason, the step reached and the par
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from ._lazy import lazy_names
 from .conditions import (
     AllOf,
     AnyOf,
@@ -42,11 +40,7 @@ _LAZY = {
     "AsyncStream": "stopcock.aio",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'stopcock' has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _LAZY)
 
 
 __all__ = [

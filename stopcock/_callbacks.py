@@ -37,6 +37,9 @@ class Callbacks:
         fns, self._fns = self._fns, []
         return list(fns)
 
+    def __len__(self) -> int:
+        return len(self._fns)
+
     def snapshot(self) -> list[Callable[[], object]]:
         """A copy of the callbacks registered now."""
         with self._lock:

@@ -146,7 +146,7 @@ def test_wait_async_cancelled_leaves_no_callback_behind():
         return s
 
     s = asyncio.run(main())
-    assert s._callbacks == []
+    assert len(s._callbacks) == 0
 
 
 def test_stop_inside_an_event_loop_wakes_waiters_in_that_loop():

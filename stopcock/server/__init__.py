@@ -12,13 +12,12 @@ Names are imported on first use, so that the CLI can register ``serve`` without 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from .._lazy import lazy_names
 
 _LAZY = {
     "create_app": "stopcock.server.app",
-    "Engine": "stopcock.server.engine",
-    "JobSpec": "stopcock.server.engine",
+    "Engine": "stopcock.server.contract",
+    "JobSpec": "stopcock.server.contract",
     "LocalEngine": "stopcock.server.engine",
     "TextBackend": "stopcock.server.backends",
     "ImageBackend": "stopcock.server.backends",
@@ -26,11 +25,7 @@ _LAZY = {
     "main": "stopcock.server.serve",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'stopcock.server' has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _LAZY)
 
 
 __all__ = list(_LAZY)
