@@ -422,14 +422,11 @@ class LocalEngine:
     ) -> None:
         with job.lock:
             if outcome is None:  # it never ran, or failed: say so in the same shape
-                outcome = Outcome(
-                    stopped=state == "stopped",
+                outcome = Outcome.without_output(
+                    StepState(step=job.step, total=job.total),
                     reason=reason,
-                    steps=job.step,
-                    total_steps=job.total,
+                    stopped=state == "stopped",
                     elapsed=0.0 if job.started is None else time.time() - job.started,
-                    stop_latency=None,
-                    output=None,
                     detail=detail or error,
                 ).summary()
             job.state, job.reason, job.finished = state, reason, time.time()
