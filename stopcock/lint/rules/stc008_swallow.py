@@ -26,6 +26,7 @@ class SwallowedStop(Rule):
         neither re-raises, nor leaves the loop (`break`, `return`, `sys.exit()`).
         """
     wrong = """
+        pipe = StableDiffusionPipeline.from_pretrained("...")
         for prompt in prompts:
             try:
                 images.append(pipe(prompt).images[0])
@@ -33,6 +34,7 @@ class SwallowedStop(Rule):
                 print("failed", prompt)
         """
     right = """
+        pipe = StableDiffusionPipeline.from_pretrained("...")
         for prompt in prompts:
             try:
                 images.append(pipe(prompt).images[0])
