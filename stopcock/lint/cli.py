@@ -98,6 +98,9 @@ def _run(args: argparse.Namespace) -> int:
         except SyntaxError as exc:
             errors.append((str(path), f"cannot parse: {exc.msg} (line {exc.lineno})"))
             continue
+        except RecursionError:
+            errors.append((str(path), "too deeply nested to analyse"))
+            continue
         if (args.fix or args.diff) and findings and not source.is_notebook:
             findings = _fix(source, findings, args, errors)
         located.extend(Located(f, source, str(path)) for f in findings)

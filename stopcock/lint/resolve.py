@@ -82,12 +82,15 @@ class Resolver:
             for child in ast.iter_child_nodes(node):
                 self.parents[child] = node
         self.scopes: dict[ast.AST, Scope] = {}
-        self.module = self._build(tree, None)
+        self.module: Scope
+        self._build(tree, None)
 
     # -- scopes ------------------------------------------------------------------------------------
     def _build(self, node: ScopeNode, parent: Scope | None) -> Scope:
         scope = Scope(node, parent)
         self.scopes[node] = scope
+        if parent is None:
+            self.module = scope
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             args = node.args
             for arg in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]:
