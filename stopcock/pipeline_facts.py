@@ -143,8 +143,19 @@ def _nodes_outside_loops(body: list[ast.stmt]) -> Iterator[ast.AST]:
     while stack:
         node = stack.pop()
         yield node
-        if isinstance(node, (ast.For, ast.AsyncFor, ast.While, ast.FunctionDef, ast.AsyncFunctionDef,
-                             ast.ClassDef, ast.Lambda, ast.comprehension)):
+        if isinstance(
+            node,
+            (
+                ast.For,
+                ast.AsyncFor,
+                ast.While,
+                ast.FunctionDef,
+                ast.AsyncFunctionDef,
+                ast.ClassDef,
+                ast.Lambda,
+                ast.comprehension,
+            ),
+        ):
             continue
         stack.extend(reversed(list(ast.iter_child_nodes(node))))
 
@@ -184,7 +195,9 @@ def _resets_flag(function: Function) -> bool:
     return any(
         isinstance(node, ast.Assign)
         and any(
-            isinstance(t, ast.Attribute) and t.attr == "_interrupt" and isinstance(t.value, ast.Name)
+            isinstance(t, ast.Attribute)
+            and t.attr == "_interrupt"
+            and isinstance(t.value, ast.Name)
             and t.value.id == "self"
             for t in node.targets
         )
@@ -306,7 +319,7 @@ def _find_method(class_name: str, method: str, depth: int = 0) -> tuple[str, Fun
 def _tensor_inputs_default(function: Function) -> tuple[str, ...] | None:
     args = function.args
     positional = args.posonlyargs + args.args
-    with_default = positional[len(positional) - len(args.defaults):]
+    with_default = positional[len(positional) - len(args.defaults) :]
     defaults = {a.arg: d for a, d in zip(with_default, args.defaults, strict=True)}
     defaults |= {a.arg: d for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True) if d is not None}
     default = defaults.get("callback_on_step_end_tensor_inputs")

@@ -71,7 +71,9 @@ def test_the_stopcock_command_runs_check(bad, capsys):
 
 
 def test_select_and_ignore_take_codes_and_prefixes(bad, capsys):
-    assert {line.split()[1] for line in run(capsys, "--select", "STC008", str(bad))[1].splitlines()} == {"STC008"}
+    assert {line.split()[1] for line in run(capsys, "--select", "STC008", str(bad))[1].splitlines()} == {
+        "STC008"
+    }
     _code, out, _err = run(capsys, "--ignore", "STC00", str(bad))
     assert out == ""
     _code, out, _err = run(capsys, "--select", "STC00", "--ignore", "STC001", str(bad))
@@ -80,8 +82,9 @@ def test_select_and_ignore_take_codes_and_prefixes(bad, capsys):
 
 def test_noqa_bare_and_with_codes(tmp_path, capsys):
     path = tmp_path / "noqa.py"
-    path.write_text(textwrap.dedent(
-        """\
+    path.write_text(
+        textwrap.dedent(
+            """\
         from diffusers import StableDiffusionPipeline
         pipe = StableDiffusionPipeline.from_pretrained("x")
         pipe("a", max_time=1)  # noqa
@@ -90,7 +93,8 @@ def test_noqa_bare_and_with_codes(tmp_path, capsys):
         pipe("d", max_time=1)  # noqa: E501
         text = "# noqa"; pipe("e", max_time=1)
         """
-    ))
+        )
+    )
     _code, out, _err = run(capsys, str(path))
     assert [int(line.split(":")[1]) for line in out.splitlines()] == [5, 6, 7]
 
@@ -101,8 +105,14 @@ def test_json_output(bad, capsys):
     assert code == 1 and report["checked"] == 1 and report["errors"] == []
     first = report["findings"][0]
     assert first == {
-        "path": str(bad), "cell": None, "line": 8, "column": 5, "code": "STC001",
-        "name": "generate-args-to-diffusers", "message": first["message"], "fixable": True,
+        "path": str(bad),
+        "cell": None,
+        "line": 8,
+        "column": 5,
+        "code": "STC001",
+        "name": "generate-args-to-diffusers",
+        "message": first["message"],
+        "fixable": True,
     }
     assert [f["code"] for f in report["findings"]] == ["STC001", "STC001", "STC008"]
 
@@ -136,23 +146,50 @@ def test_sarif_output_is_valid_with_relative_paths(bad, capsys, monkeypatch):
     _validate_sarif(report)
     region = report["runs"][0]["results"][0]["locations"][0]["physicalLocation"]["region"]
     assert region == {"startLine": 8, "startColumn": 5}
-    assert report["runs"][0]["results"][0]["locations"][0]["physicalLocation"]["artifactLocation"]["uri"] == "bad.py"
+    assert (
+        report["runs"][0]["results"][0]["locations"][0]["physicalLocation"]["artifactLocation"]["uri"]
+        == "bad.py"
+    )
 
 
 def _notebook(tmp_path: Path) -> Path:
     cells = [
         {"cell_type": "markdown", "metadata": {}, "source": ["# Demo\n"]},
-        {"cell_type": "code", "execution_count": 1, "metadata": {}, "outputs": [],
-         "source": ["!pip install diffusers\n", "%matplotlib inline\n",
-                    "from diffusers import StableDiffusionPipeline\n",
-                    "pipe = StableDiffusionPipeline.from_pretrained('x')"]},
-        {"cell_type": "code", "execution_count": 2, "metadata": {}, "outputs": [],
-         "source": ["%%time\n", "this is not python\n"]},
-        {"cell_type": "code", "execution_count": 3, "metadata": {}, "outputs": [],
-         "source": ["if True:\n", "    !nvidia-smi\n", "image = pipe('a cat', max_new_tokens=10).images[0]\n"]},
+        {
+            "cell_type": "code",
+            "execution_count": 1,
+            "metadata": {},
+            "outputs": [],
+            "source": [
+                "!pip install diffusers\n",
+                "%matplotlib inline\n",
+                "from diffusers import StableDiffusionPipeline\n",
+                "pipe = StableDiffusionPipeline.from_pretrained('x')",
+            ],
+        },
+        {
+            "cell_type": "code",
+            "execution_count": 2,
+            "metadata": {},
+            "outputs": [],
+            "source": ["%%time\n", "this is not python\n"],
+        },
+        {
+            "cell_type": "code",
+            "execution_count": 3,
+            "metadata": {},
+            "outputs": [],
+            "source": [
+                "if True:\n",
+                "    !nvidia-smi\n",
+                "image = pipe('a cat', max_new_tokens=10).images[0]\n",
+            ],
+        },
     ]
     path = tmp_path / "demo.ipynb"
-    path.write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}, indent=1))
+    path.write_text(
+        json.dumps({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}, indent=1)
+    )
     return path
 
 
@@ -195,7 +232,7 @@ def test_diff_shows_the_fix_and_changes_nothing(bad, capsys):
     assert code == 1 and bad.read_text() == BAD
     assert "+image = stopcock.run(pipe," in out and "+import stopcock" in out
     assert "-    stopping_criteria=StoppingCriteriaList([MaxTimeCriteria(10)])," in out
-    assert '+    num_inference_steps=30, stop=stopcock.timeout(10),' in out
+    assert "+    num_inference_steps=30, stop=stopcock.timeout(10)," in out
 
 
 def test_fix_rewrites_into_code_that_parses_and_no_longer_triggers(bad, capsys):
@@ -223,15 +260,19 @@ def test_fix_rewrites_into_code_that_parses_and_no_longer_triggers(bad, capsys):
 def test_fix_cuts_arguments_cleanly(call, expected):
     from stopcock.lint.rewrite import apply_fixes
 
-    source = "from diffusers import StableDiffusionPipeline\npipe = StableDiffusionPipeline.from_pretrained('x')\n"
+    source = (
+        "from diffusers import StableDiffusionPipeline\npipe = StableDiffusionPipeline.from_pretrained('x')\n"
+    )
     fixed, count = apply_fixes(source + call + "\n", check_source(source + call + "\n"))
     assert count == 1 and expected in fixed and check_source(fixed) == []
 
 
 def test_fix_of_an_unknown_class_only_removes_and_leaves_a_todo(tmp_path, capsys):
     path = tmp_path / "auto.py"
-    path.write_text("from diffusers import DiffusionPipeline\np = DiffusionPipeline.from_pretrained('x')\n"
-                    "if True: p('a', max_time=4)\n")
+    path.write_text(
+        "from diffusers import DiffusionPipeline\np = DiffusionPipeline.from_pretrained('x')\n"
+        "if True: p('a', max_time=4)\n"
+    )
     run(capsys, "--fix", str(path))
     fixed = path.read_text()
     assert "# TODO(stopcock): max_time= never reached this pipeline" in fixed and "p('a')" in fixed
@@ -240,7 +281,11 @@ def test_fix_of_an_unknown_class_only_removes_and_leaves_a_todo(tmp_path, capsys
 
 def test_explain_and_list_rules(capsys):
     code, out, _err = run(capsys, "--explain", "stc005")
-    assert code == 0 and out.startswith("## STC005 unstoppable-streamer") and "huggingface/transformers#27927" in out
+    assert (
+        code == 0
+        and out.startswith("## STC005 unstoppable-streamer")
+        and "huggingface/transformers#27927" in out
+    )
     assert run(capsys, "--explain", "STC099")[0] == 2
     code, out, _err = run(capsys, "--list-rules")
     assert code == 0 and len(out.splitlines()) == 8
@@ -248,10 +293,15 @@ def test_explain_and_list_rules(capsys):
 
 def test_flake8_runs_the_rules_through_its_entry_point(tmp_path):
     path = tmp_path / "snippet.py"
-    path.write_text(BAD.replace("pipe(\"a dog\", max_new_tokens=5, guidance_scale=2.0)",
-                                "pipe(\"a dog\", max_new_tokens=5)  # noqa: STC001"))
-    result = subprocess.run([sys.executable, "-m", "flake8", "--select", "STC", str(path)],
-                            capture_output=True, text=True)
+    path.write_text(
+        BAD.replace(
+            'pipe("a dog", max_new_tokens=5, guidance_scale=2.0)',
+            'pipe("a dog", max_new_tokens=5)  # noqa: STC001',
+        )
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "flake8", "--select", "STC", str(path)], capture_output=True, text=True
+    )
     lines = result.stdout.splitlines()
     assert result.returncode == 1, result.stderr
     assert [line.split(": ")[1].split()[0] for line in lines] == ["STC001", "STC008"]
@@ -259,19 +309,26 @@ def test_flake8_runs_the_rules_through_its_entry_point(tmp_path):
 
 
 def test_the_linter_imports_no_heavy_library_nor_the_cli():
-    code = ("import sys, stopcock.lint.cli, stopcock.lint.flake8; from stopcock.lint import check_source;"
-            " check_source(open(sys.argv[1]).read());"
-            " print([m for m in ('torch', 'diffusers', 'transformers', 'stopcock.cli', 'stopcock.server')"
-            " if m in sys.modules])")
-    result = subprocess.run([sys.executable, "-c", code, str(Path(__file__))], capture_output=True, text=True,
-                            check=True)
+    code = (
+        "import sys, stopcock.lint.cli, stopcock.lint.flake8; from stopcock.lint import check_source;"
+        " check_source(open(sys.argv[1]).read());"
+        " print([m for m in ('torch', 'diffusers', 'transformers', 'stopcock.cli', 'stopcock.server')"
+        " if m in sys.modules])"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(Path(__file__))], capture_output=True, text=True, check=True
+    )
     assert result.stdout.strip() == "[]"
 
 
 def test_this_repository_has_no_findings():
     """The project's tests, benchmarks, package and README code blocks are clean."""
-    result = subprocess.run([sys.executable, "-m", "stopcock.lint", "tests", "bench", "stopcock"], cwd=ROOT,
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "stopcock.lint", "tests", "bench", "stopcock"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
     assert len(blocks) >= 5

@@ -175,11 +175,22 @@ def test_known_classes_read_from_source():
 
 
 def test_pipeline_class_names():
-    for name in ("StableDiffusionPipeline", "DiffusionPipeline", "AutoPipelineForText2Image",
-                 "StableDiffusionPipelineSafe", "LEditsPPPipelineStableDiffusion"):
+    for name in (
+        "StableDiffusionPipeline",
+        "DiffusionPipeline",
+        "AutoPipelineForText2Image",
+        "StableDiffusionPipelineSafe",
+        "LEditsPPPipelineStableDiffusion",
+    ):
         assert pipeline_facts.is_pipeline_class_name(name), name
-    for name in ("StableDiffusionPipelineOutput", "ModularPipeline", "PipelineQuantizationConfig",
-                 "MultiPipelineCallbacks", "UNet2DConditionModel", "SequentialPipelineBlocks"):
+    for name in (
+        "StableDiffusionPipelineOutput",
+        "ModularPipeline",
+        "PipelineQuantizationConfig",
+        "MultiPipelineCallbacks",
+        "UNet2DConditionModel",
+        "SequentialPipelineBlocks",
+    ):
         assert not pipeline_facts.is_pipeline_class_name(name), name
 
 
@@ -193,6 +204,10 @@ def test_other_engine_names_are_unknown_to_transformers_generate():
     parameters = set(inspect.signature(GenerationMixin.generate).parameters)
     for name in pipeline_facts.OTHER_ENGINE_ARGS:
         assert not hasattr(config, name) and name not in parameters, name
-    for name in pipeline_facts.GENERATE_ONLY - {"streamer", "stopping_criteria", "logits_processor",
-                                               "generation_config"}:
+    for name in pipeline_facts.GENERATE_ONLY - {
+        "streamer",
+        "stopping_criteria",
+        "logits_processor",
+        "generation_config",
+    }:
         assert hasattr(config, name), name

@@ -28,8 +28,10 @@ SD = "from diffusers import StableDiffusionPipeline\npipe = StableDiffusionPipel
     [
         SD + "pipe('a cat', stopping_criteria=[criteria])",
         SD + "pipe = pipe.to('cuda')\nimage = pipe(prompt, max_new_tokens=30).images[0]",
-        "import diffusers\npipe = diffusers.DiffusionPipeline.from_pretrained('x').to('cuda')\npipe('a', max_time=5)",
-        "from diffusers import AutoPipelineForText2Image as Auto\np = Auto.from_pretrained('x')\np('a', streamer=s)",
+        "import diffusers\npipe = diffusers.DiffusionPipeline.from_pretrained('x').to('cuda')\n"
+        "pipe('a', max_time=5)",
+        "from diffusers import AutoPipelineForText2Image as Auto\np = Auto.from_pretrained('x')\n"
+        "p('a', streamer=s)",
         "from diffusers import StableDiffusionXLPipeline\n"
         "p = StableDiffusionXLPipeline.from_single_file('m.safetensors')\np(prompt='a', stop_strings=['x'])",
         "from diffusers import StableDiffusionPipeline as SD\n"
@@ -50,7 +52,8 @@ def test_stc001_fires_on_generate_arguments_to_a_pipeline(source):
         "from transformers import pipeline\npipe = pipeline('text-generation', model='gpt2')\n"
         "pipe('hi', max_new_tokens=20, stopping_criteria=c)",
         # AudioLDM2 declares max_new_tokens itself
-        "from diffusers import AudioLDM2Pipeline\np = AudioLDM2Pipeline.from_pretrained('x')\np('rain', max_new_tokens=8)",
+        "from diffusers import AudioLDM2Pipeline\np = AudioLDM2Pipeline.from_pretrained('x')\n"
+        "p('rain', max_new_tokens=8)",
         # a name rebound to something unknown: not judged
         SD + "pipe = load_other()\npipe('a', max_new_tokens=5)",
         # an unrelated object with the same name
@@ -58,7 +61,8 @@ def test_stc001_fires_on_generate_arguments_to_a_pipeline(source):
         # the pipeline's own arguments
         SD + "pipe('a', num_inference_steps=20, guidance_scale=7.5)",
         # a model, not a pipeline
-        "from diffusers import UNet2DConditionModel\nu = UNet2DConditionModel.from_pretrained('x')\nu(x, max_time=3)",
+        "from diffusers import UNet2DConditionModel\n"
+        "u = UNet2DConditionModel.from_pretrained('x')\nu(x, max_time=3)",
     ],
 )
 def test_stc001_stays_quiet(source):
@@ -68,14 +72,18 @@ def test_stc001_stays_quiet(source):
 def test_stc001_says_whether_the_class_swallows_or_raises():
     swallowed = messages(SD + "pipe('a', max_time=3)", "STC001")[0]
     raises = messages(
-        "from diffusers import FluxPipeline\np = FluxPipeline.from_pretrained('x')\np('a', max_time=3)", "STC001"
+        "from diffusers import FluxPipeline\np = FluxPipeline.from_pretrained('x')\np('a', max_time=3)",
+        "STC001",
     )[0]
     assert "ignores it silently" in swallowed and "stopcock.run(pipe, ..., stop=...)" in swallowed
     assert "raises TypeError" in raises
 
 
 # -- STC002 interrupt ------------------------------------------------------------------------------------
-LCM = "from diffusers import LatentConsistencyModelPipeline\nlcm = LatentConsistencyModelPipeline.from_pretrained('x')\n"
+LCM = (
+    "from diffusers import LatentConsistencyModelPipeline\n"
+    "lcm = LatentConsistencyModelPipeline.from_pretrained('x')\n"
+)
 
 
 def test_stc002_fires_in_a_callback_given_to_a_pipeline_that_ignores_the_flag():
@@ -158,7 +166,10 @@ def test_stc003_fires_on_a_path_without_return_and_an_undeclared_tensor():
         """
     )
     assert found(source) == [(4, "STC003"), (11, "STC003")]
-    assert "AttributeError" in messages(source, "STC003")[0] and "'prompt_embeds'" in messages(source, "STC003")[1]
+    assert (
+        "AttributeError" in messages(source, "STC003")[0]
+        and "'prompt_embeds'" in messages(source, "STC003")[1]
+    )
 
 
 def test_stc003_fires_on_a_callback_that_falls_off_its_end_and_a_factory_made_one():
@@ -200,13 +211,16 @@ def test_stc003_checks_a_pipeline_callback_class():
     [
         SD + "def cb(p, i, t, kw):\n    x = kw['prompt_embeds']\n    return kw\n"
         "pipe('a', callback_on_step_end=cb, callback_on_step_end_tensor_inputs=['latents', 'prompt_embeds'])",
-        SD + "def cb(p, i, t, kw):\n    lat = kw['latents']\n    if i > 3:\n        raise StopRun()\n    return kw\n"
+        SD + "def cb(p, i, t, kw):\n    lat = kw['latents']\n    if i > 3:\n        raise StopRun()\n"
+        "    return kw\n"
         "pipe('a', callback_on_step_end=cb)",
         # .get() never raises; tensor list not literal: not judged
-        SD + "def cb(p, i, t, kw):\n    x = kw.get('add_text_embeds')\n    y = kw['prompt_embeds']\n    return kw\n"
+        SD + "def cb(p, i, t, kw):\n    x = kw.get('add_text_embeds')\n    y = kw['prompt_embeds']\n"
+        "    return kw\n"
         "pipe('a', callback_on_step_end=cb, callback_on_step_end_tensor_inputs=names)",
         # every branch returns
-        "def cb(p, i, t, kw):\n    if i:\n        return kw\n    else:\n        return {}\nf(callback_on_step_end=cb)",
+        "def cb(p, i, t, kw):\n    if i:\n        return kw\n    else:\n        return {}\n"
+        "f(callback_on_step_end=cb)",
         # a legacy callback(step, t, latents) returns nothing by design
         SD + "def cb(step, t, latents):\n    print(step)\npipe('a', callback=cb, callback_steps=1)",
         # a method used as callback
@@ -230,8 +244,10 @@ def test_stc003_stays_quiet(source):
     ],
 )
 def test_stc004_fires_on_a_bool_from_row_zero(body):
-    source = "from transformers import StoppingCriteria\nclass S(StoppingCriteria):\n" \
-             "    def __call__(self, input_ids, scores, **kwargs):\n" + textwrap.indent(body, " " * 8)
+    source = (
+        "from transformers import StoppingCriteria\nclass S(StoppingCriteria):\n"
+        "    def __call__(self, input_ids, scores, **kwargs):\n" + textwrap.indent(body, " " * 8)
+    )
     assert [c for _, c in found(source)] == ["STC004"]
 
 
@@ -247,8 +263,10 @@ def test_stc004_fires_on_a_bool_from_row_zero(body):
     ],
 )
 def test_stc004_stays_quiet_on_per_row_or_batch_free_criteria(body):
-    source = "from transformers import StoppingCriteria\nclass S(StoppingCriteria):\n" \
-             "    def __call__(self, input_ids, scores, **kwargs):\n" + textwrap.indent(body, " " * 8)
+    source = (
+        "from transformers import StoppingCriteria\nclass S(StoppingCriteria):\n"
+        "    def __call__(self, input_ids, scores, **kwargs):\n" + textwrap.indent(body, " " * 8)
+    )
     assert found(source, "STC004") == []
 
 
@@ -363,9 +381,11 @@ def test_stc006_fires_on_generate_a_text_generation_pipeline_and_generation_conf
 @pytest.mark.parametrize(
     "source",
     [
-        "from vllm import LLM, SamplingParams\nllm = LLM('m')\nllm.generate(p, SamplingParams(max_tokens=5, stop=['x']))",
+        "from vllm import LLM, SamplingParams\nllm = LLM('m')\n"
+        "llm.generate(p, SamplingParams(max_tokens=5, stop=['x']))",
         "from gpt4all import GPT4All\nm = GPT4All('m')\nm.generate('hi', max_tokens=10)",
-        "from mlx_lm import load, generate\nmodel, tok = load('m')\ngenerate(model, tok, prompt='x', max_tokens=9)",
+        "from mlx_lm import load, generate\nmodel, tok = load('m')\n"
+        "generate(model, tok, prompt='x', max_tokens=9)",
         "from transformers import AutoModelForCausalLM\nm = AutoModelForCausalLM.from_pretrained('m')\n"
         "m.generate(**inputs, max_new_tokens=5, stop_strings=['x'], tokenizer=tok)",
         "from transformers import pipeline\nclf = pipeline('text-classification')\nclf('x', top_k=2)",
@@ -376,8 +396,10 @@ def test_stc006_stays_quiet(source):
 
 
 # -- STC007 reused MaxTimeCriteria --------------------------------------------------------------------
-MODEL = "from transformers import AutoModelForCausalLM, MaxTimeCriteria, StoppingCriteriaList\n" \
-        "model = AutoModelForCausalLM.from_pretrained('m')\n"
+MODEL = (
+    "from transformers import AutoModelForCausalLM, MaxTimeCriteria, StoppingCriteriaList\n"
+    "model = AutoModelForCausalLM.from_pretrained('m')\n"
+)
 
 
 @pytest.mark.parametrize(
@@ -385,8 +407,10 @@ MODEL = "from transformers import AutoModelForCausalLM, MaxTimeCriteria, Stoppin
     [
         MODEL + "criteria = StoppingCriteriaList([MaxTimeCriteria(30)])\nfor p in prompts:\n"
         "    out = model.generate(**enc(p), stopping_criteria=criteria)",
-        MODEL + "limit = MaxTimeCriteria(10)\nwhile True:\n    model.generate(ids, stopping_criteria=[limit, other])",
-        MODEL + "class Bot:\n    def __init__(self):\n        self.criteria = StoppingCriteriaList([MaxTimeCriteria(5)])\n"
+        MODEL + "limit = MaxTimeCriteria(10)\nwhile True:\n"
+        "    model.generate(ids, stopping_criteria=[limit, other])",
+        MODEL + "class Bot:\n    def __init__(self):\n"
+        "        self.criteria = StoppingCriteriaList([MaxTimeCriteria(5)])\n"
         "    def reply(self, ids):\n        return model.generate(ids, stopping_criteria=self.criteria)",
         MODEL + "criteria = [MaxTimeCriteria(20)]\n@app.post('/generate')\ndef generate(req):\n"
         "    return model.generate(req.ids, stopping_criteria=criteria)",
@@ -401,12 +425,14 @@ def test_stc007_fires_on_a_criteria_built_once_and_reused(source):
     [
         MODEL + "for p in prompts:\n    criteria = StoppingCriteriaList([MaxTimeCriteria(30)])\n"
         "    model.generate(**enc(p), stopping_criteria=criteria)",
-        MODEL + "criteria = StoppingCriteriaList([MaxTimeCriteria(30)])\nmodel.generate(ids, stopping_criteria=criteria)",
+        MODEL + "criteria = StoppingCriteriaList([MaxTimeCriteria(30)])\n"
+        "model.generate(ids, stopping_criteria=criteria)",
         MODEL + "criteria = StoppingCriteriaList([MaxTimeCriteria(30)])\ndef main():\n"
         "    model.generate(ids, stopping_criteria=criteria)\nmain()",
         MODEL + "criteria = StoppingCriteriaList([Custom()])\nfor p in prompts:\n"
         "    model.generate(p, stopping_criteria=criteria)",
-        MODEL + "class Bot:\n    def reply(self, ids):\n        self.c = StoppingCriteriaList([MaxTimeCriteria(5)])\n"
+        MODEL + "class Bot:\n    def reply(self, ids):\n"
+        "        self.c = StoppingCriteriaList([MaxTimeCriteria(5)])\n"
         "        return model.generate(ids, stopping_criteria=self.c)",
     ],
 )
@@ -415,10 +441,14 @@ def test_stc007_stays_quiet_on_a_fresh_criteria_per_call(source):
 
 
 # -- STC008 swallowed stop ----------------------------------------------------------------------------
-@pytest.mark.parametrize("handler", ["except:", "except BaseException:", "except (ValueError, BaseException) as e:"])
+@pytest.mark.parametrize(
+    "handler", ["except:", "except BaseException:", "except (ValueError, BaseException) as e:"]
+)
 def test_stc008_fires_on_catch_all_around_a_run_in_a_loop(handler):
-    source = SD + f"for p in prompts:\n    try:\n        images.append(pipe(p).images[0])\n    {handler}\n" \
-                  "        print('failed', p)"
+    source = (
+        SD + f"for p in prompts:\n    try:\n        images.append(pipe(p).images[0])\n    {handler}\n"
+        "        print('failed', p)"
+    )
     assert [c for _, c in found(source)] == ["STC008"]
 
 

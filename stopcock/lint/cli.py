@@ -37,14 +37,22 @@ def _codes(text: str) -> list[str]:
 
 
 def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("paths", nargs="*", type=Path, metavar="PATH",
-                        help="files, folders (searched for *.py and *.ipynb) or notebooks; default: .")
+    parser.add_argument(
+        "paths",
+        nargs="*",
+        type=Path,
+        metavar="PATH",
+        help="files, folders (searched for *.py and *.ipynb) or notebooks; default: .",
+    )
     parser.add_argument("--format", choices=FORMATS, default="text", help="default: text")
-    parser.add_argument("--select", type=_codes, metavar="CODES",
-                        help="only these rules (STC001,STC002, or a prefix: STC00)")
+    parser.add_argument(
+        "--select", type=_codes, metavar="CODES", help="only these rules (STC001,STC002, or a prefix: STC00)"
+    )
     parser.add_argument("--ignore", type=_codes, metavar="CODES", help="not these rules")
     parser.add_argument("--fix", action="store_true", help="rewrite the simple cases in place (STC001)")
-    parser.add_argument("--diff", action="store_true", help="print the fixes as a unified diff; change no file")
+    parser.add_argument(
+        "--diff", action="store_true", help="print the fixes as a unified diff; change no file"
+    )
     parser.add_argument("--explain", metavar="CODE", help="print a rule's documentation and exit")
     parser.add_argument("--list-rules", action="store_true", help="print the rules and exit")
     parser.set_defaults(func=run_check)
@@ -53,12 +61,15 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
     """Register ``check`` in the ``stopcock`` command line."""
-    return configure(subparsers.add_parser(
-        "check", help="find stop code that silently does nothing (diffusers, transformers)",
-        description="Find stop code that silently does nothing, before it runs. Exit codes: 0 nothing"
-        " found, 1 findings (or unreadable files), 2 bad arguments.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    ))
+    return configure(
+        subparsers.add_parser(
+            "check",
+            help="find stop code that silently does nothing (diffusers, transformers)",
+            description="Find stop code that silently does nothing, before it runs. Exit codes: 0 nothing"
+            " found, 1 findings (or unreadable files), 2 bad arguments.",
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
 
 
 def run_check(args: argparse.Namespace) -> int:
@@ -106,8 +117,8 @@ def _run(args: argparse.Namespace) -> int:
         located.extend(Located(f, source, str(path)) for f in findings)
     if not args.diff:  # --diff prints only the diffs
         sys.stdout.write(render(args.format, located, errors, checked))
-    for path, error in errors:
-        print(f"stopcock check: {path}: {error}", file=sys.stderr)
+    for failed, error in errors:
+        print(f"stopcock check: {failed}: {error}", file=sys.stderr)
     if args.format == "text":
         print(_summary(located, checked, args.fix or args.diff), file=sys.stderr)
     return EXIT_FOUND if located or errors else EXIT_CLEAN
@@ -125,8 +136,9 @@ def _summary(located: list[Located], checked: int, fixing: bool) -> str:
     return f"{_plural(len(located), 'finding')} in {_plural(checked, 'file')}{hint}"
 
 
-def _fix(source: Source, findings: list[Finding], args: argparse.Namespace,
-         errors: list[tuple[str, str]]) -> list[Finding]:
+def _fix(
+    source: Source, findings: list[Finding], args: argparse.Namespace, errors: list[tuple[str, str]]
+) -> list[Finding]:
     """Apply the fixes (or print them with ``--diff``); the findings left afterwards."""
     fixed, count = apply_fixes(source.text, findings)
     if count == 0:
@@ -144,8 +156,11 @@ def _fix(source: Source, findings: list[Finding], args: argparse.Namespace,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = configure(argparse.ArgumentParser(prog="stopcock check", description="Find stop code that"
-                                               " silently does nothing, before it runs."))
+    parser = configure(
+        argparse.ArgumentParser(
+            prog="stopcock check", description="Find stop code that silently does nothing, before it runs."
+        )
+    )
     return run_check(parser.parse_args(argv))
 
 

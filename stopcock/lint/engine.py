@@ -100,7 +100,7 @@ class Module:
         return value if value is not None and value.kind == "diffusers_pipeline" else None
 
     def is_run_call(self, call: ast.Call) -> bool:
-        """A call that runs a model: a pipeline (diffusers or transformers), ``generate``, ``stopcock.run``."""
+        """A call that runs a model: a diffusers or transformers pipeline, ``generate``, ``stopcock.run``."""
         value = self.value(call.func)
         if value is not None:
             if value.kind in ("diffusers_pipeline", "transformers_pipeline"):
@@ -143,13 +143,17 @@ class Module:
         for parent in self.resolver.ancestors(node):
             if isinstance(parent, SCOPES):
                 break
-            if isinstance(parent, LOOPS) and child not in (parent.iter if isinstance(parent, ast.For) else None,
-                                                           getattr(parent, "test", None)):
+            if isinstance(parent, LOOPS) and child not in (
+                parent.iter if isinstance(parent, ast.For) else None,
+                getattr(parent, "test", None),
+            ):
                 loops.append(parent)
             child = parent
         return loops
 
-    def finding(self, rule: type[Rule] | Rule, node: ast.AST, message: str, fix: Fix | None = None) -> Finding:
+    def finding(
+        self, rule: type[Rule] | Rule, node: ast.AST, message: str, fix: Fix | None = None
+    ) -> Finding:
         return Finding(rule.code, getattr(node, "lineno", 1), getattr(node, "col_offset", 0), message, fix)
 
     def text(self, node: ast.AST) -> str:
@@ -191,7 +195,9 @@ def always_returns_value(body: Sequence[ast.stmt]) -> bool:
 
 def _ends(stmt: ast.stmt) -> bool:
     if isinstance(stmt, ast.Return):
-        return stmt.value is not None and not (isinstance(stmt.value, ast.Constant) and stmt.value.value is None)
+        return stmt.value is not None and not (
+            isinstance(stmt.value, ast.Constant) and stmt.value.value is None
+        )
     if isinstance(stmt, ast.Raise):
         return True
     if isinstance(stmt, ast.If):
@@ -206,8 +212,10 @@ def _ends(stmt: ast.stmt) -> bool:
         main = always_returns_value(body) or always_returns_value(getattr(stmt, "orelse", []))
         return main and all(always_returns_value(h.body) for h in handlers)
     if isinstance(stmt, ast.Match):
-        exhaustive = any(isinstance(c.pattern, ast.MatchAs) and c.pattern.pattern is None and c.guard is None
-                         for c in stmt.cases)
+        exhaustive = any(
+            isinstance(c.pattern, ast.MatchAs) and c.pattern.pattern is None and c.guard is None
+            for c in stmt.cases
+        )
         return exhaustive and all(always_returns_value(c.body) for c in stmt.cases)
     if isinstance(stmt, ast.While):  # `while True:` without break never falls through
         forever = isinstance(stmt.test, ast.Constant) and bool(stmt.test.value)
@@ -237,8 +245,13 @@ def selected(code: str, select: Iterable[str] | None, ignore: Iterable[str] | No
     return not (ignore is not None and any(code.startswith(prefix) for prefix in ignore))
 
 
-def check_tree(tree: ast.Module, source: str = "", *, select: Iterable[str] | None = None,
-               ignore: Iterable[str] | None = None) -> list[Finding]:
+def check_tree(
+    tree: ast.Module,
+    source: str = "",
+    *,
+    select: Iterable[str] | None = None,
+    ignore: Iterable[str] | None = None,
+) -> list[Finding]:
     """Every finding of the selected rules in ``tree``, in source order (``noqa`` not applied)."""
     from .rules import RULES
 
@@ -246,10 +259,7 @@ def check_tree(tree: ast.Module, source: str = "", *, select: Iterable[str] | No
     select = list(select) if select is not None else None
     ignore = list(ignore) if ignore is not None else None
     findings = {
-        finding
-        for rule in RULES
-        if selected(rule.code, select, ignore)
-        for finding in rule().check(module)
+        finding for rule in RULES if selected(rule.code, select, ignore) for finding in rule().check(module)
     }
     return sorted(findings, key=lambda f: (f.line, f.col, f.code))
 
@@ -272,14 +282,20 @@ def noqa_lines(source: str) -> dict[int, frozenset[str] | None]:
     return lines
 
 
-def check_source(source: str, *, select: Iterable[str] | None = None, ignore: Iterable[str] | None = None,
-                 noqa: bool = True) -> list[Finding]:
+def check_source(
+    source: str,
+    *,
+    select: Iterable[str] | None = None,
+    ignore: Iterable[str] | None = None,
+    noqa: bool = True,
+) -> list[Finding]:
     """Check Python source text; raises SyntaxError if it does not parse."""
     findings = check_tree(ast.parse(source), source, select=select, ignore=ignore)
     if not noqa:
         return findings
     waived = noqa_lines(source)
     return [
-        f for f in findings
+        f
+        for f in findings
         if f.line not in waived or (waived[f.line] is not None and f.code not in waived[f.line])  # type: ignore[operator]
     ]

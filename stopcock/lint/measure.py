@@ -41,6 +41,12 @@ def _near(a: str | int, b: str | int) -> bool:
     return False
 
 
+def _label_where(where: object) -> str | int:
+    if isinstance(where, (int, str)):
+        return where
+    raise SystemExit(f"a label's place is a line number or 'cell N, line M', got {where!r}")
+
+
 def measure(corpus: Path, labels: dict[str, list[list[object]]]) -> dict[str, object]:
     """Per-rule counts and the wrong calls, for the files under ``corpus``."""
     counts = {r.code: {"tp": 0, "fp": 0, "fn": 0} for r in RULES}
@@ -51,10 +57,14 @@ def measure(corpus: Path, labels: dict[str, list[list[object]]]) -> dict[str, ob
         raise SystemExit(f"not labelled: {', '.join(unlabelled)}")
     for path in files:
         name = str(path.relative_to(corpus))
-        expected = [(str(code), where) for code, where in labels[name]]  # type: ignore[misc]
+        expected: list[tuple[str, str | int]] = [
+            (str(code), _label_where(where)) for code, where in labels[name]
+        ]
         try:
             source = read(path)
-            found = [(f.code, _where(*source.locate(f.line))) for f in check_source(source.text)]
+            found: list[tuple[str, str | int]] = [
+                (f.code, _where(*source.locate(f.line))) for f in check_source(source.text)
+            ]
         except (NotReadable, SyntaxError) as exc:
             found = []
             wrong.append(f"{name}: not checked ({exc})")
@@ -74,7 +84,9 @@ def measure(corpus: Path, labels: dict[str, list[list[object]]]) -> dict[str, ob
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m stopcock.lint.measure", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m stopcock.lint.measure", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("corpus", type=Path)
     parser.add_argument("labels", type=Path)
     args = parser.parse_args(argv)

@@ -39,7 +39,7 @@ class Located:
         """1-based, in characters (ast counts UTF-8 bytes), as editors and SARIF count."""
         lines = self.source.text.splitlines()
         text = lines[self.finding.line - 1] if 0 < self.finding.line <= len(lines) else ""
-        return len(text.encode("utf-8")[:self.finding.col].decode("utf-8", "replace")) + 1
+        return len(text.encode("utf-8")[: self.finding.col].decode("utf-8", "replace")) + 1
 
 
 def render(kind: str, located: Sequence[Located], errors: Sequence[tuple[str, str]], checked: int) -> str:
@@ -53,8 +53,11 @@ def render(kind: str, located: Sequence[Located], errors: Sequence[tuple[str, st
 def _text(located: Sequence[Located]) -> str:
     lines = []
     for item in located:
-        where = f"{item.display}:cell {item.cell}, line {item.line}" if item.cell is not None else \
-            f"{item.display}:{item.line}"
+        where = (
+            f"{item.display}:cell {item.cell}, line {item.line}"
+            if item.cell is not None
+            else f"{item.display}:{item.line}"
+        )
         lines.append(f"{where}:{item.column}: {item.finding.code} {item.finding.message}")
     return "\n".join(lines) + ("\n" if lines else "")
 
@@ -63,19 +66,25 @@ def _json(located: Sequence[Located], errors: Sequence[tuple[str, str]], checked
     findings = []
     for item in located:
         found = rule(item.finding.code)
-        findings.append({
-            "path": item.display,
-            "cell": item.cell,
-            "line": item.line,
-            "column": item.column,
-            "code": item.finding.code,
-            "name": found.name if found else None,
-            "message": item.finding.message,
-            "fixable": item.finding.fix is not None,
-        })
+        findings.append(
+            {
+                "path": item.display,
+                "cell": item.cell,
+                "line": item.line,
+                "column": item.column,
+                "code": item.finding.code,
+                "name": found.name if found else None,
+                "message": item.finding.message,
+                "fixable": item.finding.fix is not None,
+            }
+        )
     errors_out = [{"path": path, "error": error} for path, error in errors]
-    return json.dumps({"version": __version__, "checked": checked, "findings": findings, "errors": errors_out},
-                      indent=2) + "\n"
+    return (
+        json.dumps(
+            {"version": __version__, "checked": checked, "findings": findings, "errors": errors_out}, indent=2
+        )
+        + "\n"
+    )
 
 
 def _sarif(located: Sequence[Located], errors: Sequence[tuple[str, str]]) -> str:
@@ -99,21 +108,26 @@ def _sarif(located: Sequence[Located], errors: Sequence[tuple[str, str]]) -> str
         region = {"startLine": item.source.file_line(item.finding.line)}
         if item.cell is None:
             region["startColumn"] = item.column
-        results.append({
-            "ruleId": item.finding.code,
-            "ruleIndex": index[item.finding.code],
-            "level": "warning",
-            "message": {"text": message},
-            "locations": [{
-                "physicalLocation": {
-                    "artifactLocation": {"uri": Path(item.display).as_posix(), "uriBaseId": "%SRCROOT%"},
-                    "region": region,
-                },
-            }],
-        })
-    notifications = [
-        {"level": "error", "message": {"text": f"{path}: {error}"}} for path, error in errors
-    ]
+        results.append(
+            {
+                "ruleId": item.finding.code,
+                "ruleIndex": index[item.finding.code],
+                "level": "warning",
+                "message": {"text": message},
+                "locations": [
+                    {
+                        "physicalLocation": {
+                            "artifactLocation": {
+                                "uri": Path(item.display).as_posix(),
+                                "uriBaseId": "%SRCROOT%",
+                            },
+                            "region": region,
+                        },
+                    }
+                ],
+            }
+        )
+    notifications = [{"level": "error", "message": {"text": f"{path}: {error}"}} for path, error in errors]
     run: dict[str, object] = {
         "tool": {"driver": {"name": "stopcock", "version": __version__, "rules": rules}},
         "columnKind": "unicodeCodePoints",

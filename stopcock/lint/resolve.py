@@ -180,8 +180,13 @@ class Resolver:
     def _outside(scope_node: ast.AST, child: ast.AST) -> bool:
         """Decorators, bases and defaults of a def are evaluated in the enclosing scope."""
         if isinstance(scope_node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            return child in scope_node.decorator_list or child in getattr(scope_node, "bases", ()) or (
-                isinstance(scope_node, (ast.FunctionDef, ast.AsyncFunctionDef)) and child is scope_node.args
+            return (
+                child in scope_node.decorator_list
+                or child in getattr(scope_node, "bases", ())
+                or (
+                    isinstance(scope_node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    and child is scope_node.args
+                )
             )
         return False
 
@@ -410,8 +415,19 @@ class Resolver:
 
 # Attribute names of tracked modules that are submodules (``diffusers.pipelines``), not classes.
 _SUBMODULE_HINTS = frozenset(
-    {"pipelines", "generation", "models", "schedulers", "utils", "callbacks", "stopping_criteria",
-     "streamers", "stable_diffusion", "adapters", "loaders"}
+    {
+        "pipelines",
+        "generation",
+        "models",
+        "schedulers",
+        "utils",
+        "callbacks",
+        "stopping_criteria",
+        "streamers",
+        "stable_diffusion",
+        "adapters",
+        "loaders",
+    }
 )
 
 

@@ -51,8 +51,15 @@ def statement_of(module: Module, node: ast.AST) -> ast.stmt | None:
     return None
 
 
-def call_without(module: Module, call: ast.Call, removed: Sequence[ast.keyword], *, wrap: str | None = None,
-                 extra: str | None = None, suffix: str = "") -> Edit:
+def call_without(
+    module: Module,
+    call: ast.Call,
+    removed: Sequence[ast.keyword],
+    *,
+    wrap: str | None = None,
+    extra: str | None = None,
+    suffix: str = "",
+) -> Edit:
     """The call with the ``removed`` keyword arguments cut out (commas and layout kept right).
 
     ``wrap="stopcock.run"`` turns ``f(a, b)`` into ``stopcock.run(f, a, b)``; ``extra`` is added as the
@@ -63,7 +70,9 @@ def call_without(module: Module, call: ast.Call, removed: Sequence[ast.keyword],
     func_end = _span(module, call.func)[1]
     open_paren = source.index("(", func_end)
     close_paren = end - 1
-    arguments: list[ast.AST] = sorted([*call.args, *call.keywords], key=lambda a: (a.lineno, a.col_offset))
+    arguments: list[ast.expr | ast.keyword] = sorted(
+        [*call.args, *call.keywords], key=lambda a: (a.lineno, a.col_offset)
+    )
     spans = [_span(module, a) for a in arguments]
     drop = [a in removed for a in arguments]
     cuts: list[tuple[int, int]] = []
@@ -82,9 +91,9 @@ def call_without(module: Module, call: ast.Call, removed: Sequence[ast.keyword],
         else:  # every argument goes, a trailing comma with them
             cuts.append((spans[i][0], close_paren))
         i = j + 1
-    inner = source[open_paren + 1:close_paren]
+    inner = source[open_paren + 1 : close_paren]
     for cut_start, cut_end in reversed(cuts):
-        inner = inner[:cut_start - open_paren - 1] + inner[cut_end - open_paren - 1:]
+        inner = inner[: cut_start - open_paren - 1] + inner[cut_end - open_paren - 1 :]
     kept = [a for a, d in zip(arguments, drop, strict=True) if not d]
     if extra is not None:
         if kept:
@@ -106,7 +115,7 @@ def todo_comment(module: Module, statement: ast.stmt, text: str) -> Edit:
     """A ``# TODO(stopcock): text`` line above ``statement``, at its indentation."""
     at = _offsets(module)
     line_start = at(statement.lineno, 0)
-    indent = module.source[line_start:at(statement.lineno, statement.col_offset)]
+    indent = module.source[line_start : at(statement.lineno, statement.col_offset)]
     if indent.strip():  # the statement follows other code on its line (`if x: pipe(...)`)
         indent = ""
     return Edit(line_start, line_start, f"{indent}# TODO(stopcock): {text}\n")
@@ -142,7 +151,7 @@ def apply_fixes(source: str, findings: Iterable[Finding]) -> tuple[str, int]:
         if fix is None:
             continue
         ranges = [(e.start, e.end) for e in fix.edits]
-        if any(s < te and ts < e or (s == e == ts) for s, e in ranges for ts, te in taken):
+        if any((s < te and ts < e) or (s == e == ts) for s, e in ranges for ts, te in taken):
             continue  # overlaps a fix already chosen: the next run of --fix gets it
         chosen.append(fix.edits)
         taken.extend(ranges)
@@ -150,11 +159,14 @@ def apply_fixes(source: str, findings: Iterable[Finding]) -> tuple[str, int]:
     edits = sorted((e for group in chosen for e in group), key=lambda e: (e.start, e.end), reverse=True)
     text = source
     for edit in edits:
-        text = text[:edit.start] + edit.text + text[edit.end:]
+        text = text[: edit.start] + edit.text + text[edit.end :]
     return _add_imports(text, imports) if chosen else text, len(chosen)
 
 
 def diff(path: str, before: str, after: str) -> str:
     name = path.lstrip("/")
-    return "".join(difflib.unified_diff(before.splitlines(keepends=True), after.splitlines(keepends=True),
-                                        f"a/{name}", f"b/{name}"))
+    return "".join(
+        difflib.unified_diff(
+            before.splitlines(keepends=True), after.splitlines(keepends=True), f"a/{name}", f"b/{name}"
+        )
+    )

@@ -63,11 +63,14 @@ def discover(paths: Iterable[Path]) -> Iterator[Path]:
     seen: set[Path] = set()
     for path in paths:
         if path.is_dir():
-            found = []
+            found: list[Path] = []
             for folder, dirs, files in os.walk(path):
                 dirs[:] = sorted(
-                    d for d in dirs
-                    if not d.startswith(".") and d not in SKIPPED_DIRS and not (Path(folder, d) / "pyvenv.cfg").exists()
+                    d
+                    for d in dirs
+                    if not d.startswith(".")
+                    and d not in SKIPPED_DIRS
+                    and not (Path(folder, d) / "pyvenv.cfg").exists()
                 )
                 found.extend(Path(folder, f) for f in files if f.endswith((".py", ".ipynb")))
             candidates = sorted(found)
@@ -129,7 +132,9 @@ def notebook_source(path: Path, notebook: object, raw: str = "") -> Source:
             body = "\n".join(lines)
         parts.append(body + "\n")
         mapped = json_lines.get(number)
-        located.append(Cell(number, line, len(lines), mapped if mapped and len(mapped) >= len(lines) - 1 else None))
+        located.append(
+            Cell(number, line, len(lines), mapped if mapped and len(mapped) >= len(lines) - 1 else None)
+        )
         line += len(lines)
     return Source(path, "".join(parts), located)
 

@@ -13,7 +13,10 @@ from ..rewrite import call_without, statement_of, todo_comment
 class GenerateArgsToDiffusers(Rule):
     code = "STC001"
     name = "generate-args-to-diffusers"
-    summary = "transformers `generate()` arguments (`stopping_criteria`, `max_new_tokens`, ...) passed to a diffusers pipeline"
+    summary = (
+        "transformers `generate()` arguments (`stopping_criteria`, `max_new_tokens`, ...)"
+        " passed to a diffusers pipeline"
+    )
     explanation = """
         Diffusers pipelines have no `stopping_criteria`, `max_new_tokens`, `max_time`, `stop_strings`,
         `streamer`, ...: the pipelines that take `**kwargs` (Stable Diffusion, SDXL and their img2img,
@@ -57,8 +60,10 @@ class GenerateArgsToDiffusers(Rule):
             names = ", ".join(f"`{k.arg}=`" for k in wrong)
             who = pipeline.name or "a diffusers pipeline"
             effect = (
-                "raises TypeError when called" if facts is not None and not facts.var_kwargs
-                else "ignores it silently (it takes **kwargs)" if facts is not None
+                "raises TypeError when called"
+                if facts is not None and not facts.var_kwargs
+                else "ignores it silently (it takes **kwargs)"
+                if facts is not None
                 else "ignores it silently or raises TypeError, by class"
             )
             message = (
@@ -79,10 +84,13 @@ class GenerateArgsToDiffusers(Rule):
         if limit is not None and honours:
             stop = f"stop=stopcock.timeout({module.text(limit)})"
             edit = call_without(module, call, wrong, wrap="stopcock.run", extra=stop, suffix=".output")
-            return Fix(f"remove {names}; run through stopcock.run with a timeout", (edit,), ("import stopcock",))
+            return Fix(
+                f"remove {names}; run through stopcock.run with a timeout", (edit,), ("import stopcock",)
+            )
         edit = call_without(module, call, wrong)
         note = todo_comment(
-            module, statement,
+            module,
+            statement,
             f"{names} never reached this pipeline; stop it with stopcock.run(pipe, ..., stop=...)",
         )
         return Fix(f"remove {names}", (note, edit))
@@ -104,7 +112,11 @@ def _time_limit(module: Module, wrong: list[ast.keyword]) -> ast.expr | None:
             if len(items) != 1 or not isinstance(items[0], ast.Call) or len(items[0].args) != 1:
                 return None
             criterion = module.value(items[0].func)
-            if criterion is None or criterion.imported("transformers") != "MaxTimeCriteria" or items[0].keywords:
+            if (
+                criterion is None
+                or criterion.imported("transformers") != "MaxTimeCriteria"
+                or items[0].keywords
+            ):
                 return None
             limits.append(items[0].args[0])
         else:

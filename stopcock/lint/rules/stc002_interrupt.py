@@ -69,8 +69,9 @@ class InterruptIgnored(Rule):
                     if finding is not None:
                         yield finding
 
-    def _judge(self, module: Module, node: ast.Assign, obj: ast.expr,
-               callbacks: dict[FunctionNode, list[ast.Call]]) -> Finding | None:
+    def _judge(
+        self, module: Module, node: ast.Assign, obj: ast.expr, callbacks: dict[FunctionNode, list[ast.Call]]
+    ) -> Finding | None:
         value = module.value(obj)
         function = module.resolver.enclosing_function(node)
         if value is not None and value.kind == "diffusers_pipeline" and value.name:
@@ -82,19 +83,23 @@ class InterruptIgnored(Rule):
                 pipeline = module.pipeline_of(call)
                 ignored = _ignores_flag(pipeline.name) if pipeline is not None and pipeline.name else None
                 if ignored is not None:
-                    return module.finding(self, node, f"{ignored} (called with this callback on line {call.lineno})")
+                    return module.finding(
+                        self, node, f"{ignored} (called with this callback on line {call.lineno})"
+                    )
             return None
         if value is None or value.kind != "diffusers_pipeline":
             return None
         facts = pipeline_class(value.name) if value.name else None
         if facts is not None and not facts.resets_interrupt:
             return None
-        call = _later_call(module, node, obj)
-        if call is None:
+        later = _later_call(module, node, obj)
+        if later is None:
             return None
         return module.finding(
-            self, node,
-            f"this `_interrupt = True` is lost: {module.text(obj)}(...) on line {call.lineno} starts by setting"
+            self,
+            node,
+            f"this `_interrupt = True` is lost: {module.text(obj)}(...) on line {later.lineno}"
+            f" starts by setting"
             f" `_interrupt = False`; {FIX}",
         )
 
@@ -130,7 +135,7 @@ def _later_call(module: Module, node: ast.stmt, obj: ast.expr) -> ast.Call | Non
         for field in ("body", "orelse", "finalbody"):
             block = getattr(parent, field, None)
             if isinstance(block, list) and current in block:
-                for stmt in block[block.index(current) + 1:]:
+                for stmt in block[block.index(current) + 1 :]:
                     call = _call_of(stmt, obj)
                     if call is not None:
                         return call

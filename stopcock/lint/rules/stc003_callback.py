@@ -64,12 +64,16 @@ class CallbackContract(Rule):
                 yield self._no_return(module, function, kwargs_name)
             declared = self._declared(module, call)
             read = _read_keys(function, kwargs_name) if kwargs_name is not None else {}
-            missing = {key: node for key, node in read.items() if declared is not None and key not in declared}
+            missing = {
+                key: node for key, node in read.items() if declared is not None and key not in declared
+            }
             if missing:
                 keys = ", ".join(repr(k) for k in sorted(missing))
+                first = min(getattr(n, "lineno", 0) for n in missing.values())
                 yield module.finding(
-                    self, call,
-                    f"{function.name} reads callback_kwargs[{keys}] (line {min(n.lineno for n in missing.values())})"
+                    self,
+                    call,
+                    f"{function.name} reads callback_kwargs[{keys}] (line {first})"
                     f" but this call passes only {list(declared or ())}: KeyError at the first step; add"
                     f" {keys} to callback_on_step_end_tensor_inputs",
                 )
@@ -93,14 +97,15 @@ class CallbackContract(Rule):
 
     def _no_return(self, module: Module, function: FunctionNode, kwargs_name: str) -> Finding:
         return module.finding(
-            self, function,
+            self,
+            function,
             f"callback {function.name} can end without returning {kwargs_name}: diffusers pops from what the"
             f" callback returns, so that step fails with AttributeError; end every path with"
             f" `return {kwargs_name}`",
         )
 
     def _pipeline_callbacks(self, module: Module) -> Iterator[Finding]:
-        """``class C(PipelineCallback)``: ``callback_fn`` returns on every path, reads only ``tensor_inputs``."""
+        """``class C(PipelineCallback)``: ``callback_fn`` returns on every path and reads its inputs only."""
         for node in ast.walk(module.tree):
             if not isinstance(node, ast.ClassDef):
                 continue
@@ -115,16 +120,25 @@ class CallbackContract(Rule):
             if not returns_value(callback):
                 yield self._no_return(module, callback, kwargs_name)
             declared = next(
-                (_literal_names(s.value) for s in node.body if isinstance(s, ast.Assign)
-                 and any(isinstance(t, ast.Name) and t.id == "tensor_inputs" for t in s.targets)),
+                (
+                    _literal_names(s.value)
+                    for s in node.body
+                    if isinstance(s, ast.Assign)
+                    and any(isinstance(t, ast.Name) and t.id == "tensor_inputs" for t in s.targets)
+                ),
                 None,
             )
-            missing = sorted(set(_read_keys(callback, kwargs_name)) - set(declared or ())) if declared is not None \
+            missing = (
+                sorted(set(_read_keys(callback, kwargs_name)) - set(declared or ()))
+                if declared is not None
                 else []
+            )
             if missing:
                 yield module.finding(
-                    self, callback,
-                    f"{node.name}.callback_fn reads callback_kwargs{missing} but tensor_inputs = {list(declared or ())}:"
+                    self,
+                    callback,
+                    f"{node.name}.callback_fn reads callback_kwargs{missing} but tensor_inputs ="
+                    f" {list(declared or ())}:"
                     " KeyError at the first step; add them to tensor_inputs",
                 )
 
@@ -160,9 +174,15 @@ def _read_keys(function: FunctionNode, name: str) -> dict[str, ast.AST]:
                 return {}
             if isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
                 reads.setdefault(node.slice.value, node)
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "pop"
-                and isinstance(node.func.value, ast.Name) and node.func.value.id == name
-                and len(node.args) == 1 and isinstance(node.args[0], ast.Constant)
-                and isinstance(node.args[0].value, str)):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "pop"
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == name
+            and len(node.args) == 1
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             reads.setdefault(node.args[0].value, node)
     return reads

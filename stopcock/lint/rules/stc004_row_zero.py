@@ -15,7 +15,9 @@ SCALAR_CALLS = frozenset({"bool", "any", "all", "equal", "item", "isinstance"})
 class RowZeroCriteria(Rule):
     code = "STC004"
     name = "row-zero-stopping-criteria"
-    summary = "a custom `StoppingCriteria.__call__` that returns one bool computed from row 0 (`input_ids[0, -1]`)"
+    summary = (
+        "a custom `StoppingCriteria.__call__` that returns one bool computed from row 0 (`input_ids[0, -1]`)"
+    )
     explanation = """
         `StoppingCriteria.__call__(input_ids, scores)` is asked about every row of the batch and should
         return a BoolTensor of shape `(batch,)`. One that looks only at `input_ids[0]` and returns a
@@ -44,7 +46,8 @@ class RowZeroCriteria(Rule):
     upstream = (
         "bigscience-workshop/lm-evaluation-harness#124: `MultiTokenEOSCriteria` read `input_ids[0, ...]`, so"
         " generate stopped whenever the first example of the batch produced the stop token",
-        "huggingface/transformers#26959: a stop-token criterion from the forums stops the whole batch when one"
+        "huggingface/transformers#26959: a stop-token criterion from the forums stops the whole"
+        " batch when one"
         " sentence of the batch hits it",
         "h2oai/h2o-llmstudio#14: `StoppingCriteriaSub` triggers on the first item of the batch",
     )
@@ -53,8 +56,14 @@ class RowZeroCriteria(Rule):
         for node in ast.walk(module.tree):
             if not isinstance(node, ast.ClassDef) or not _is_criteria(module, node):
                 continue
-            call = next((s for s in node.body if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))
-                         and s.name == "__call__"), None)
+            call = next(
+                (
+                    s
+                    for s in node.body
+                    if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef)) and s.name == "__call__"
+                ),
+                None,
+            )
             if call is None:
                 continue
             positional = [a.arg for a in call.args.posonlyargs + call.args.args]
@@ -64,8 +73,10 @@ class RowZeroCriteria(Rule):
             row_zero = _row_zero_read(call, ids)
             if row_zero is not None and not _reads_other_rows(call, ids) and _returns_scalars(call, ids):
                 yield module.finding(
-                    self, row_zero,
-                    f"{node.name}.__call__ decides for the whole batch from row 0 ({module.text(row_zero)}) and"
+                    self,
+                    row_zero,
+                    f"{node.name}.__call__ decides for the whole batch from row 0"
+                    f" ({module.text(row_zero)}) and"
                     " returns one bool: in a batch it stops every row or none; return a BoolTensor with one"
                     f" value per row (e.g. {ids}[:, -1] == stop_id), or use eos_token_id= / stop_strings=",
                 )
@@ -116,8 +127,10 @@ def _reads_other_rows(function: FunctionNode, ids: str) -> bool:
                     row_zero_roots.add(id(root))
                 else:
                     return True
-    return any(isinstance(n, ast.Name) and n.id == ids and id(n) not in row_zero_roots
-               for n in walk_function(function))
+    return any(
+        isinstance(n, ast.Name) and n.id == ids and id(n) not in row_zero_roots
+        for n in walk_function(function)
+    )
 
 
 def _returns_scalars(function: FunctionNode, ids: str) -> bool:
@@ -148,7 +161,9 @@ def _scalar(expr: ast.expr | None, assigned: dict[str, list[ast.expr]], depth: i
         return False
     if isinstance(expr, ast.Constant):
         return isinstance(expr.value, bool)
-    if isinstance(expr, (ast.Compare, ast.BoolOp)) or (isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.Not)):
+    if isinstance(expr, (ast.Compare, ast.BoolOp)) or (
+        isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.Not)
+    ):
         return True
     if isinstance(expr, ast.Call):
         func = expr.func

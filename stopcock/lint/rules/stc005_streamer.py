@@ -19,7 +19,10 @@ FIX = (
 class UnstoppableStreamer(Rule):
     code = "STC005"
     name = "unstoppable-streamer"
-    summary = "`generate()` in a thread with no stop, read through a `TextIteratorStreamer` by a consumer that can leave"
+    summary = (
+        "`generate()` in a thread with no stop, read through a `TextIteratorStreamer` by a"
+        " consumer that can leave"
+    )
     explanation = """
         `TextIteratorStreamer` has no cancel: `generate()` runs in its thread until `max_new_tokens`
         whatever the consumer does. A consumer loop that `break`s, `return`s or raises leaves the model
@@ -56,7 +59,8 @@ class UnstoppableStreamer(Rule):
         # or: for event in stopcock.stream(model, **inputs, tokenizer=tokenizer, max_new_tokens=500): ...
         """
     upstream = (
-        "huggingface/transformers#27927: no way to terminate a TextIteratorStreamer before generation is done",
+        "huggingface/transformers#27927: no way to terminate a TextIteratorStreamer before"
+        " generation is done",
         "gradio-app/gradio#6724: Gradio's stop cannot stop the thread running generate()",
         "huggingface/transformers#31963: a streaming server keeps generating after the client disconnects",
         "oobabooga/text-generation-webui#1749: stopping a generate() thread blocked in a long call",
@@ -76,19 +80,27 @@ class UnstoppableStreamer(Rule):
                 continue
             function = module.resolver.enclosing_function(call)
             owner = function if function is not None else module.tree
-            loops = [n for n in walk_function(owner) if isinstance(n, (ast.For, ast.AsyncFor))
-                     and same(n.iter, streamer)]
+            loops = [
+                n
+                for n in walk_function(owner)
+                if isinstance(n, (ast.For, ast.AsyncFor)) and same(n.iter, streamer)
+            ]
             exits = [e for loop in loops for e in _early_exits(loop)]
             if exits:
                 kind = {ast.Break: "break", ast.Return: "return", ast.Raise: "raise"}[type(exits[0])]
                 yield module.finding(
-                    self, exits[0],
-                    f"this {kind} leaves the loop over the TextIteratorStreamer but generate() (thread started"
+                    self,
+                    exits[0],
+                    f"this {kind} leaves the loop over the TextIteratorStreamer but generate()"
+                    f" (thread started"
                     f" on line {call.lineno}) has no stop and runs on to max_new_tokens; {FIX}",
                 )
-            elif loops and any(isinstance(n, (ast.Yield, ast.YieldFrom)) for loop in loops for n in ast.walk(loop)):
+            elif loops and any(
+                isinstance(n, (ast.Yield, ast.YieldFrom)) for loop in loops for n in ast.walk(loop)
+            ):
                 yield module.finding(
-                    self, call,
+                    self,
+                    call,
                     "generate() runs in this thread with no stop while a generator streams its text: when the"
                     " generator is closed (client gone, Stop pressed) generation runs on to max_new_tokens;"
                     f" {FIX}",
@@ -110,8 +122,15 @@ class UnstoppableStreamer(Rule):
             function = module.resolver.function(target.value, scope)
             if function is not None:
                 body = function
-        generate = [n for n in ast.walk(body) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-                    and n.func.attr == "generate"] if body is not None else []
+        generate = (
+            [
+                n
+                for n in ast.walk(body)
+                if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "generate"
+            ]
+            if body is not None
+            else []
+        )
         if len(generate) != 1:
             return None
         return _call_keys(module, generate[0], module.resolver.scope_of(generate[0]))
@@ -215,7 +234,9 @@ def _is_model_inputs(module: Module, expr: ast.expr, scope: Scope) -> bool:
     func = expr.func
     name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
     owner = func.value if isinstance(func, ast.Attribute) else None
-    owner_name = owner.attr if isinstance(owner, ast.Attribute) else owner.id if isinstance(owner, ast.Name) else ""
+    owner_name = (
+        owner.attr if isinstance(owner, ast.Attribute) else owner.id if isinstance(owner, ast.Name) else ""
+    )
     words = ("tokenizer", "processor", "tok")
     return any(w in name.lower() for w in words) or (
         name in ("apply_chat_template", "encode_plus", "batch_encode_plus", "__call__")
@@ -223,12 +244,18 @@ def _is_model_inputs(module: Module, expr: ast.expr, scope: Scope) -> bool:
     )
 
 
-def _with_changes(module: Module, name: str, scope: Scope, keys: dict[str, ast.expr]) -> dict[str, ast.expr] | None:
+def _with_changes(
+    module: Module, name: str, scope: Scope, keys: dict[str, ast.expr]
+) -> dict[str, ast.expr] | None:
     """``keys`` plus ``name["k"] = v`` assignments in the scope; None if ``name.update(...)`` changes it."""
     changed = dict(keys)
     for node in walk_function(scope.node):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and _is(node.func.value, name) \
-                and node.func.attr in ("update", "setdefault", "pop"):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and _is(node.func.value, name)
+            and node.func.attr in ("update", "setdefault", "pop")
+        ):
             if node.func.attr == "update":
                 if len(node.args) != 1 or node.keywords:
                     if node.args or any(k.arg is None for k in node.keywords):

@@ -13,7 +13,10 @@ from ..resolve import GENERATING_TASKS
 class OtherEngineArgs(Rule):
     code = "STC006"
     name = "other-engine-args"
-    summary = "names from vLLM/OpenAI/TGI (`max_tokens`, `stop`, `stop_token_ids`, `ignore_eos`, ...) passed to `generate()`"
+    summary = (
+        "names from vLLM/OpenAI/TGI (`max_tokens`, `stop`, `stop_token_ids`, `ignore_eos`,"
+        " ...) passed to `generate()`"
+    )
     explanation = """
         transformers' `generate()` does not know `max_tokens`, `stop`, `stop_token_ids`,
         `ignore_eos`, `n`, `presence_penalty`, ...: it hands unknown names to the model and raises
@@ -34,9 +37,7 @@ class OtherEngineArgs(Rule):
         model = AutoModelForCausalLM.from_pretrained("...")
         out = model.generate(**inputs, max_new_tokens=200, stop_strings=["\\n\\n"], tokenizer=tokenizer)
         """
-    upstream = (
-        "InternLM/lagent#149: `max_tokens` renamed to `max_new_tokens` for the transformers backend",
-    )
+    upstream = ("InternLM/lagent#149: `max_tokens` renamed to `max_new_tokens` for the transformers backend",)
 
     def check(self, module: Module) -> Iterator[Finding]:
         for call in module.calls:
@@ -46,7 +47,8 @@ class OtherEngineArgs(Rule):
             for item in call.keywords:
                 if item.arg in OTHER_ENGINE_ARGS:
                     yield module.finding(
-                        self, item,
+                        self,
+                        item,
                         f"`{item.arg}=` is not a transformers generation argument; {target}; use"
                         f" {OTHER_ENGINE_ARGS[item.arg]}",
                     )

@@ -9,14 +9,30 @@ from ..engine import SCOPES, Finding, Module, Rule, keyword
 from ..resolve import Scope
 
 # Decorators that say nothing about how often a function is called.
-PLAIN_DECORATORS = frozenset({"no_grad", "inference_mode", "staticmethod", "classmethod", "property", "cache",
-                              "lru_cache", "wraps", "compile", "contextmanager", "abstractmethod"})
+PLAIN_DECORATORS = frozenset(
+    {
+        "no_grad",
+        "inference_mode",
+        "staticmethod",
+        "classmethod",
+        "property",
+        "cache",
+        "lru_cache",
+        "wraps",
+        "compile",
+        "contextmanager",
+        "abstractmethod",
+    }
+)
 
 
 class ReusedMaxTime(Rule):
     code = "STC007"
     name = "reused-max-time"
-    summary = "one `MaxTimeCriteria` (or a `StoppingCriteriaList` holding one) reused across calls: its clock started when it was built"
+    summary = (
+        "one `MaxTimeCriteria` (or a `StoppingCriteriaList` holding one) reused across"
+        " calls: its clock started when it was built"
+    )
     explanation = """
         `MaxTimeCriteria(max_time)` takes its start time when it is constructed (`initial_timestamp`
         defaults to `time.time()` in `__init__`), not when generation starts. Built once and passed to
@@ -40,8 +56,8 @@ class ReusedMaxTime(Rule):
             out = model.generate(**tokenizer(prompt, return_tensors="pt"), max_time=30)
         """
     upstream = (
-        "no upstream issue found; transformers documents it: `initial_timestamp` \"defaults to the time of"
-        " initialization\" (`MaxTimeCriteria` in transformers/generation/stopping_criteria.py)",
+        'no upstream issue found; transformers documents it: `initial_timestamp` "defaults to the time of'
+        ' initialization" (`MaxTimeCriteria` in transformers/generation/stopping_criteria.py)',
     )
 
     def check(self, module: Module) -> Iterator[Finding]:
@@ -59,8 +75,10 @@ class ReusedMaxTime(Rule):
                     reason = f"also used by the call on line {uses[key][0].lineno}"
                 if reason is not None:
                     yield module.finding(
-                        self, given,
-                        f"{module.text(ref)} holds a MaxTimeCriteria built once ({reason}): its clock started when"
+                        self,
+                        given,
+                        f"{module.text(ref)} holds a MaxTimeCriteria built once ({reason}): its"
+                        f" clock started when"
                         " it was built, so later calls stop at once; build it per call, or pass max_time= /"
                         " stop=stopcock.timeout(...), which count from each call's start",
                     )
@@ -71,8 +89,10 @@ class ReusedMaxTime(Rule):
         if isinstance(ref, ast.Attribute):  # self.criteria: reused unless rebuilt in this method
             method = module.resolver.enclosing_function(call)
             rebuilt = method is not None and any(
-                isinstance(n, ast.Assign) and any(isinstance(t, ast.Attribute) and t.attr == ref.attr
-                                                  for t in n.targets) for n in ast.walk(method))
+                isinstance(n, ast.Assign)
+                and any(isinstance(t, ast.Attribute) and t.attr == ref.attr for t in n.targets)
+                for n in ast.walk(method)
+            )
             return None if rebuilt else "kept on the object and used by every call of this method"
         assert isinstance(ref, ast.Name)
         found = module.resolver.lookup(ref.id, scope)

@@ -13,7 +13,10 @@ EXITS = frozenset({"exit", "_exit", "abort"})
 class SwallowedStop(Rule):
     code = "STC008"
     name = "swallowed-stop"
-    summary = "a bare `except:` / `except BaseException` around a pipeline call in a loop: Ctrl+C and stopcock's `Abort` are swallowed"
+    summary = (
+        "a bare `except:` / `except BaseException` around a pipeline call in a loop: Ctrl+C"
+        " and stopcock's `Abort` are swallowed"
+    )
     explanation = """
         A run takes seconds to minutes, so a Ctrl+C lands inside it, raised as `KeyboardInterrupt`
         from the model's forward; stopcock's `mode="abort"` and the CLI's second Ctrl+C stop a run
@@ -51,16 +54,22 @@ class SwallowedStop(Rule):
         for node in ast.walk(module.tree):
             if not isinstance(node, ast.Try) or not module.enclosing_loops(node):
                 continue
-            runs = [n for stmt in node.body for n in _own_nodes(stmt)
-                    if isinstance(n, ast.Call) and module.is_run_call(n)]
+            runs = [
+                n
+                for stmt in node.body
+                for n in _own_nodes(stmt)
+                if isinstance(n, ast.Call) and module.is_run_call(n)
+            ]
             if not runs:
                 continue
             for handler in node.handlers:
                 if _catches_everything(module, handler) and not _leaves(handler):
                     caught = "except:" if handler.type is None else f"except {module.text(handler.type)}:"
                     yield module.finding(
-                        self, handler,
-                        f"`{caught}` around {module.text(runs[0].func)}(...) in a loop swallows KeyboardInterrupt"
+                        self,
+                        handler,
+                        f"`{caught}` around {module.text(runs[0].func)}(...) in a loop swallows"
+                        f" KeyboardInterrupt"
                         " and stopcock.Abort, so Ctrl+C or a stop only moves on to the next item; catch"
                         " Exception instead, or re-raise",
                     )
@@ -89,7 +98,13 @@ def _leaves(handler: ast.ExceptHandler) -> bool:
             return True
         if isinstance(node, ast.Call):
             func = node.func
-            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+            name = (
+                func.attr
+                if isinstance(func, ast.Attribute)
+                else func.id
+                if isinstance(func, ast.Name)
+                else ""
+            )
             if name in EXITS:
                 return True
     return False
