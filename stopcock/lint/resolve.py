@@ -12,7 +12,7 @@ annotations.
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from ..pipeline_facts import is_generic_pipeline_name, is_pipeline_class_name
@@ -57,7 +57,9 @@ class Value:
         return None
 
 
-_SELF = object()  # evaluation reached the name being resolved (``pipe = pipe.to("cuda")``)
+# A binding that adds nothing: evaluation reached the name being resolved (``pipe = pipe.to("cuda")``),
+# or ``name = None``.
+_SELF = object()
 
 
 @dataclass
@@ -270,23 +272,17 @@ class Resolver:
         if key in seen:
             return _SELF
         seen = seen | {key}
-        values: list[Value] = []
-        for source in bindings:
-            if isinstance(source, ast.Constant) and source.value is None:
-                continue
-            if isinstance(source, ast.Name):  # bound by a for loop, a with, an unpacking: unknown
-                return None
-            value: Value | object | None
-            if isinstance(source, (ast.Import, ast.ImportFrom)):
-                value = self._import(source, name)
-            else:  # evaluated where it stands (a ``global`` assignment stands in its function)
-                value = self._value(source, self.scope_of(source), seen)
-            if value is _SELF:
-                continue
-            if not isinstance(value, Value):
-                return None
-            values.append(value)
-        return _merge(values)
+        return _combine(self._binding(source, name, seen) for source in bindings)
+
+    def _binding(self, source: ast.AST, name: str, seen: frozenset[object]) -> Value | object | None:
+        """What one binding of ``name`` gives (``_SELF`` for one that adds nothing, such as ``= None``)."""
+        if isinstance(source, ast.Constant) and source.value is None:
+            return _SELF
+        if isinstance(source, ast.Name):  # bound by a for loop, a with, an unpacking: unknown
+            return None
+        if isinstance(source, (ast.Import, ast.ImportFrom)):
+            return self._import(source, name)
+        return self._value(source, self.scope_of(source), seen)  # where it stands (a ``global`` one too)
 
     @staticmethod
     def _import(node: ast.Import | ast.ImportFrom, local: str) -> Value | None:
@@ -325,19 +321,14 @@ class Resolver:
         if key in seen:
             return _SELF
         seen = seen | {key}
-        values: list[Value] = []
-        for expr, method_scope in owner.attrs[attr]:
-            if isinstance(expr, ast.Constant) and expr.value is None:
-                continue
-            if isinstance(expr, ast.Attribute) and isinstance(expr.ctx, ast.Store):  # unpacked: unknown
-                return None
-            value = self._value(expr, method_scope, seen)
-            if value is _SELF:
-                continue
-            if not isinstance(value, Value):
-                return None
-            values.append(value)
-        return _merge(values)
+        return _combine(
+            None
+            if isinstance(expr, ast.Attribute) and isinstance(expr.ctx, ast.Store)  # unpacked: unknown
+            else _SELF
+            if isinstance(expr, ast.Constant) and expr.value is None
+            else self._value(expr, method_scope, seen)
+            for expr, method_scope in owner.attrs[attr]
+        )
 
     def _call(self, expr: ast.Call, scope: Scope, seen: frozenset[object]) -> Value | object | None:
         func = expr.func
@@ -447,6 +438,18 @@ def _loaded(receiver: Value, loader: str) -> Value | None:
     if name is not None and loader == "from_pretrained" and name[:1].isupper():
         return Value("transformers_model", name)
     return None
+
+
+def _combine(results: Iterable[Value | object | None]) -> Value | None:
+    """One value from every binding's: None if any is unknown; ``_SELF`` ones add nothing."""
+    values: list[Value] = []
+    for result in results:
+        if result is _SELF:
+            continue
+        if not isinstance(result, Value):
+            return None
+        values.append(result)
+    return _merge(values)
 
 
 def _merge(values: list[Value]) -> Value | None:
