@@ -314,6 +314,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .server.serve import add_parser as add_serve_parser  # owned by the server; cheap to import
 
     add_serve_parser(sub)
+
+    from .lint.cli import add_parser as add_check_parser  # owned by the linter; cheap to import
+
+    add_check_parser(sub)
     return parser
 
 

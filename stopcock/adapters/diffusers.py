@@ -9,8 +9,9 @@ How a run is bound (one mechanism for every pipeline kind):
   the latents and the scheduler's estimate of the clean sample (x0), used for ``partial="denoised"``.
   Stages (a combined pipeline's prior, then decoder) add up; a second scheduler stepped within the
   same loop is not counted twice.
-- **Finish** (pipelines listed in ``diffusers_interrupt.txt``, which check ``self.interrupt`` at every
-  step): at the boundary where the stop is seen, set the pipeline's own ``_interrupt`` flag. This
+- **Finish** (pipelines whose loop checks ``self.interrupt`` at every step, as
+  :func:`stopcock.pipeline_facts.call_honours_interrupt` reads their source): at the boundary where
+  the stop is seen, set the pipeline's own ``_interrupt`` flag. This
   happens inside the call, after the pipeline reset the flag, so it cannot be lost; the loop skips
   the remaining steps and the pipeline decodes as usual. With ``partial="denoised"`` the scheduler's
   result at that step is replaced by the x0 estimate, so that is what gets decoded.
@@ -23,14 +24,12 @@ Users' own ``callback_on_step_end`` / legacy ``callback`` arguments are left unt
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
 import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from importlib import resources
 from typing import Any
 
 import torch
@@ -43,27 +42,13 @@ from ..control import Abort, RunControl
 from ..events import StreamEvents
 from ..hooks import find_blocks, pre_hooks
 from ..outcome import Outcome
+from ..pipeline_facts import GENERATE_ONLY, call_honours_interrupt
 from ..previews import previewer
 from ..state import StepState
 from ..types import PARTIALS, Mode, Partial, choice
 
 __all__ = ["ADAPTER", "DiffusersAdapter", "attach", "step_callback", "guard", "honours_interrupt", "Handle"]
 
-# transformers generate() arguments that diffusers pipelines ignore (those taking **kwargs) or reject.
-GENERATE_ONLY = frozenset(
-    {
-        "stopping_criteria",
-        "logits_processor",
-        "max_new_tokens",
-        "min_new_tokens",
-        "max_length",
-        "max_time",
-        "stop_strings",
-        "streamer",
-        "generation_config",
-        "eos_token_id",
-    }
-)
 # Component names of the denoising models (unet, transformer, transformer_2, prior, prior_prior,
 # decoder, ...): models other than these are not expected to run after a finish-mode stop but the decode.
 DENOISER_WORDS = frozenset({"unet", "transformer", "prior", "decoder", "denoiser"})
@@ -76,21 +61,17 @@ def _is_pipeline(target: object) -> bool:
     return isinstance(target, (DiffusionPipeline, ModularPipeline))
 
 
-@functools.cache
-def _interrupt_classes() -> frozenset[str]:
-    text = resources.files(__package__).joinpath("diffusers_interrupt.txt").read_text()
-    return frozenset(line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#"))
-
-
 def honours_interrupt(pipe: object) -> bool:
     """Whether ``pipe.__call__`` checks ``self.interrupt`` at every step (so it can finish early).
 
-    Decided by the class that defines the ``__call__`` actually run, so a subclass that overrides
-    it is not trusted; unknown classes answer False and are stopped through hooks.
+    Decided by static analysis of the source of the class that defines the ``__call__`` actually run
+    (:func:`stopcock.pipeline_facts.call_honours_interrupt`, the same facts the linter uses), so a
+    subclass that overrides it is judged by its own ``__call__``; :func:`guard`'s subclass is looked
+    through. A class whose source cannot be read answers False and is stopped through hooks.
     """
     for cls in type(pipe).__mro__:
         if "__call__" in vars(cls) and not vars(cls).get("_stopcock_guarded", False):
-            return cls.__name__ in _interrupt_classes()
+            return call_honours_interrupt(cls)
     return False
 
 
