@@ -3,21 +3,54 @@
 A :class:`RunControl` binds the user's ``stop=`` to one run: it owns the run's own token, links
 the user's signals to it so a stop lands at once, counts steps, evaluates the conditions at each
 check, raises :class:`Abort` in abort mode, and builds the :class:`Outcome`.
+
+**Zero cost until stopped.** What can stop a run is known when it starts (:class:`Watch`): its
+signals, the moments its timeouts and deadlines expire, the step its ``max_steps`` ends at. While
+none of them can fire, a step boundary costs a few flag reads (:meth:`RunControl.quiet_step`: no
+:class:`StepState` built, no condition walked), and the checks inside the model forward are not
+installed at all: :meth:`RunControl.intercept` arms them (:class:`~stopcock.hooks.Tripwire`) the
+moment a stop becomes possible: a signal stops (armed by the stopping thread before ``stop()``
+returns), a timeout or deadline is :data:`ARM_AHEAD` seconds away (armed by a timer thread), or at
+once for a condition of your own, which may fire at any moment. In finish mode with
+``escalate_after=S``, the same checks are armed S seconds after a stop request that no step
+boundary has seen yet, and abort the run at the next module call.
 """
 
 from __future__ import annotations
 
+import math
+import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from .conditions import Condition, Signalled, StopLike, as_condition, top_level
+from .conditions import (
+    Condition,
+    Deadline,
+    MaxSteps,
+    Signalled,
+    StopLike,
+    StopStrings,
+    Timeout,
+    When,
+    as_condition,
+    top_level,
+)
+from .hooks import Tripwire
 from .outcome import Outcome
 from .signal import StopSignal
 from .state import StepState
 from .types import MODES, Mode, choice
 
-__all__ = ["Abort", "RunControl", "MODES"]
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["ARM_AHEAD", "Abort", "RunControl", "MODES", "Watch"]
+
+#: Seconds before a timeout or deadline expires at which abort mode arms its in-forward checks.
+ARM_AHEAD = 0.05
 
 
 class Abort(BaseException):
@@ -32,6 +65,63 @@ class Abort(BaseException):
         self.control = control
 
 
+@dataclass(frozen=True)
+class Watch:
+    """What in a condition can stop a run, and when (read once, when the run is bound).
+
+    ``every_step``: a part must see each step's state (``when()``, or a condition class of your
+    own); ``in_forward``: a part may fire inside a forward at any moment (a condition of your own).
+    Conditions are matched by exact class: a subclass is treated as a condition of your own.
+    """
+
+    signals: tuple[StopSignal, ...] = ()
+    timeouts: tuple[float, ...] = ()  # seconds from the start of the run
+    deadlines: tuple[float, ...] = ()  # epoch seconds
+    max_steps: float = math.inf  # the lowest max_steps(n)
+    every_step: bool = False
+    in_forward: bool = False
+
+    @classmethod
+    def of(cls, condition: Condition | None) -> Watch:
+        if condition is None:
+            return cls()
+        leaves = list(condition.parts())
+        kinds = {Signalled, Timeout, Deadline, MaxSteps, StopStrings, When}
+        own = any(type(leaf) not in kinds for leaf in leaves)
+        return cls(
+            signals=tuple(dict.fromkeys(leaf.signal for leaf in _exactly(leaves, Signalled))),
+            timeouts=tuple(leaf.seconds for leaf in _exactly(leaves, Timeout)),
+            deadlines=tuple(leaf.when for leaf in _exactly(leaves, Deadline)),
+            max_steps=min((leaf.n for leaf in _exactly(leaves, MaxSteps)), default=math.inf),
+            every_step=own or bool(_exactly(leaves, When)),
+            in_forward=own,
+        )
+
+
+C = TypeVar("C", bound=Condition)
+
+
+def _exactly(leaves: list[Condition], cls: type[C]) -> list[C]:
+    """The leaves of exactly this class (a subclass may check differently)."""
+    return [leaf for leaf in leaves if type(leaf) is cls]  # type: ignore[misc]
+
+
+def _grace(seconds: float | None, mode: str) -> float | None:
+    """``escalate_after=``, checked: None, or seconds >= 0 in finish mode."""
+    if seconds is None:
+        return None
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise TypeError(f"escalate_after= takes seconds (a number) or None, got {type(seconds).__name__}")
+    if not 0 <= seconds < math.inf:
+        raise ValueError(f"escalate_after= needs a finite number of seconds >= 0, got {seconds!r}")
+    if mode != "finish":
+        raise ValueError(
+            "escalate_after= turns a finish-mode stop that has not taken effect into an abort; with"
+            " mode='abort' the run aborts at the next module call already: drop escalate_after="
+        )
+    return float(seconds)
+
+
 class RunControl:
     """Per-run binding of the stop conditions. Use as a context manager around the run."""
 
@@ -41,23 +131,40 @@ class RunControl:
         *,
         mode: Mode = "finish",
         on_step: Callable[[StepState], object] | None = None,
+        escalate_after: float | None = None,
     ) -> None:
         self.mode: Mode = choice(
             "mode", mode, MODES, hint="; to pass a mode to the target itself, use kwargs={'mode': ...}"
         )
+        self.escalate_after = _grace(escalate_after, self.mode)
         self.condition: Condition | None = None if stop is None else as_condition(stop)
         self.on_step = on_step
         self.token = StopSignal()
         self.steps = 0
         self.total: int | None = None
         self.seen = False
-        self.started = time.monotonic()
+        self.escalated: float | None = None  # seconds from the stop request to the escalation
+        self.watch = Watch.of(self.condition)
+        self._signals = (self.token, *self.watch.signals)
+        self._may_skip = on_step is None and not self.watch.every_step
         self._unlink: list[Callable[[], None]] = []
         self._ended: float | None = None
+        self._wires: list[tuple[Tripwire, bool]] = []  # (tripwire, armed as abort mode arms it)
+        self._lock = threading.RLock()  # re-entrant: stop() may run in a signal handler
+        self._alarm: _Alarm | None = None
+        self._start()
+
+    def _start(self) -> None:
+        self.started = time.monotonic()
+        timeouts = [self.started + s for s in self.watch.timeouts]
+        deadlines = [self.started + (when - time.time()) for when in self.watch.deadlines]
+        self._time_limit = min(timeouts, default=None)
+        self._wall_limit = min(self.watch.deadlines, default=None)
+        self._due = min(timeouts + deadlines, default=None)  # when the first time condition expires
 
     # -- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> RunControl:
-        self.started = time.monotonic()
+        self._start()
         for leaf in top_level(self.condition):
             if isinstance(leaf, Signalled):
                 self._unlink.append(leaf.signal.on_stop(self._forward(leaf.signal)))
@@ -72,6 +179,9 @@ class RunControl:
             self._ended = time.monotonic()
         while self._unlink:
             self._unlink.pop()()
+        alarm, self._alarm = self._alarm, None
+        if alarm is not None:
+            alarm.close()
 
     def _forward(self, signal: StopSignal) -> Callable[[], None]:
         def forward() -> None:
@@ -86,6 +196,27 @@ class RunControl:
 
     def state(self, *, block: bool = False, **tensors: Any) -> StepState:
         return StepState(step=self.steps, total=self.total, elapsed=self.elapsed, block=block, **tensors)
+
+    def _quiet(self) -> bool:
+        """Whether no signal has stopped and no time condition has expired (the cheap part)."""
+        for signal in self._signals:
+            if signal.stopped:
+                return False
+        if self._time_limit is not None and time.monotonic() >= self._time_limit:
+            return False
+        return self._wall_limit is None or time.time() < self._wall_limit
+
+    def quiet_step(self, steps: int) -> bool:
+        """The fast path of a step boundary: if nothing can stop the run at ``steps`` (steps done)
+        and no ``on_step`` watches, record them and return True; the caller skips :meth:`step`.
+
+        Otherwise return False and record nothing: the caller makes the full :meth:`step`. A
+        ``stop()`` that has returned is seen here; one racing with this call is seen at the next step.
+        """
+        if self._may_skip and steps < self.watch.max_steps and self._quiet():
+            self.steps = steps
+            return True
+        return False
 
     def should_stop(self, state: StepState) -> bool:
         """Evaluate the conditions on ``state``; on a stop, stop the token and remember it was seen."""
@@ -108,6 +239,8 @@ class RunControl:
 
     def check(self, **tensors: Any) -> bool:
         """A check with no new step done (e.g. before the first step)."""
+        if self._may_skip and self.steps < self.watch.max_steps and self._quiet():
+            return False
         return self.should_stop(self.state(**tensors))
 
     def poll(self) -> None:
@@ -115,11 +248,94 @@ class RunControl:
 
         Only called from forward pre-hooks, and only on the run's own thread.
         """
+        if not self.watch.in_forward and self._quiet():
+            return
         if self.token.stopped or (
             self.condition is not None and self.should_stop(self.state(block=True))
         ):
             self.seen = True
             raise Abort(self)
+
+    def _poll_escalation(self, _module: nn.Module) -> None:
+        """The in-forward check of an escalated finish-mode stop: abort unless a step boundary saw
+        the stop already (the library is then finishing as asked, e.g. decoding the image)."""
+        if self.seen:
+            return
+        if self.token.stopped or (
+            self.condition is not None and self.should_stop(self.state(block=True))
+        ):
+            now = time.monotonic()
+            self.seen = True
+            self.escalated = now - self._requested(now)
+            raise Abort(self)
+
+    def _requested(self, now: float) -> float:
+        """When the stop was requested: the token's stop, or the first time condition's expiry."""
+        times = [t for t in (self.token.stopped_at, self._due) if t is not None and t <= now]
+        return min(times, default=now)
+
+    # -- checks inside the forward, armed when needed ------------------------------------------------
+    @contextmanager
+    def intercept(self, modules: Iterable[nn.Module], *, abort: bool | None = None) -> Iterator[None]:
+        """Checks before every call of ``modules`` during the ``with`` block, armed only when needed.
+
+        As abort mode arms them (``mode="abort"``, or ``abort=True`` for a target that cannot
+        finish early): once a stop is possible, see the module docstring; the check raises
+        :class:`Abort`. In finish mode with ``escalate_after``: once a stop has waited that long
+        unseen. Otherwise nothing is ever installed. ``modules`` is read when armed.
+        """
+        abort = self.mode == "abort" if abort is None else abort
+        if not abort and self.escalate_after is None:
+            yield
+            return
+        with Tripwire(modules, (lambda _m: self.poll()) if abort else self._poll_escalation) as wire:
+            with self._lock:
+                first = not self._wires
+                self._wires.append((wire, abort))
+            try:
+                if first:  # every stop of a signal of the run re-evaluates what is due
+                    self._unlink += [s.on_stop(self._stirred) for s in self._signals]
+                # a thread to wait for what is due later (made here, not in a stop() callback)
+                if self._alarm is None and (not abort or self._due is not None):
+                    self._alarm = _Alarm(self._arm_due)
+                self._stirred()
+                yield
+            finally:
+                with self._lock:
+                    self._wires.remove((wire, abort))
+
+    def _arm_at(self, abort: bool) -> float | None:
+        """When the checks of a tripwire armed this way are due (monotonic), or None: not yet known."""
+        if abort:
+            if self.watch.in_forward or any(s.stopped for s in self._signals):
+                return -math.inf
+            return None if self._due is None else self._due - ARM_AHEAD
+        assert self.escalate_after is not None
+        requested = [t for t in (self.token.stopped_at, self._due) if t is not None]
+        return min(requested) + self.escalate_after if requested else None
+
+    def _arm_due(self) -> float | None:
+        """Arm the tripwires whose moment has come; return the next moment one will, if any."""
+        now = time.monotonic()
+        later: list[float] = []
+        with self._lock:
+            for wire, abort in list(self._wires):
+                at = self._arm_at(abort)
+                if at is None or wire.armed:
+                    continue
+                if at > now:
+                    later.append(at)
+                elif abort or not self.seen:
+                    wire.arm()
+        return min(later, default=None)
+
+    def _stirred(self) -> None:
+        """Something changed (a signal stopped, a tripwire was added): arm what is due now and
+        wake the alarm thread, which waits for what is due later."""
+        self._arm_due()
+        alarm = self._alarm
+        if alarm is not None:
+            alarm.poke()
 
     # -- result ----------------------------------------------------------------------------------
     def outcome(
@@ -134,7 +350,7 @@ class RunControl:
 
         ``rows_stopped_at`` is when the last row ended by a row condition (a stop string), if any
         did: with no other stop, the run is then ``stopped`` for ``"stop_string"``, its latency
-        measured from that moment.
+        measured from that moment. An escalated run reports ``mode="abort"`` and says so in ``detail``.
         """
         self.close()
         assert self._ended is not None
@@ -146,6 +362,13 @@ class RunControl:
         if not stopped and rows_stopped_at is not None:
             stopped, reason, latency = True, "stop_string", max(0.0, self._ended - rows_stopped_at)
         fields.setdefault("mode", self.mode)
+        if self.escalated is not None:
+            fields["mode"] = "abort"
+            note = (
+                f"finish mode had not taken effect {self.escalate_after:g} s after the stop request:"
+                f" escalated to abort after {self.escalated:.3f} s"
+            )
+            fields["detail"] = "; ".join(filter(None, [note, fields.get("detail")]))
         return Outcome(
             stopped=stopped,
             reason=reason,  # type: ignore[arg-type]
@@ -156,3 +379,32 @@ class RunControl:
             output=output,
             **fields,
         )
+
+
+class _Alarm:
+    """A thread that calls ``due()`` when the moment it last returned comes (or when poked), until
+    ``due()`` returns None or :meth:`close`. ``due()`` arms what is due and returns the next moment."""
+
+    def __init__(self, due: Callable[[], float | None]) -> None:
+        self._due = due
+        self._cond = threading.Condition(threading.RLock())
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="stopcock-alarm", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        with self._cond:
+            while not self._closed:
+                at = self._due()
+                self._cond.wait(None if at is None else max(0.0, at - time.monotonic()))
+
+    def poke(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join()

@@ -1,21 +1,42 @@
-"""Forward pre-hooks: the fallback that reaches inside a model forward.
+"""Forward pre-hooks that reach inside a model forward, and cost nothing until they are armed.
 
-Used for abort mode (a check before every block, so a long prefill or denoiser call is abandoned
-within one block) and for libraries with no step hook (a check before each denoiser call). Hooks
-act only on the thread that installed them, so a concurrent run on the same model in another
-thread is not touched, and they are always removed when the ``with`` block exits.
+Used for abort mode (a check before every module call, so a long prefill or denoiser call is
+abandoned at the next module), for a finish-mode stop that escalates, and for libraries with no
+step hook (a check before each denoiser call). A :class:`Tripwire` installs nothing when it is
+entered: a module with no hook takes torch's fast path, so a run pays nothing per module until
+:meth:`Tripwire.arm` is called, from any thread, at the moment a stop becomes possible. Checks act
+only on the thread that made the tripwire, so a concurrent run on the same model in another thread
+is not touched; everything is removed when the ``with`` block exits.
+
+**Arming while the run's thread is inside a forward.** torch's ``Module._call_impl`` reads
+``module._forward_pre_hooks`` afresh at every call and runs a snapshot of it. Arming never mutates
+a dict that torch may be iterating: for each module it publishes a *copy* of that dict with one
+stopcock hook added (a single attribute store, atomic with or without the GIL). A forward already
+past its pre-hooks keeps its snapshot; the next module call sees the hook. Disarming puts the
+original dict object back (the one users' ``RemovableHandle``s refer to), so hooks registered and
+removed around the run keep working. Only if a hook was registered on a module *while* armed (it
+then lives in the copy) is the copy kept and the stopcock entry deleted from it, on the run's own
+thread once its forward is over. One stopcock hook serves every tripwire armed on a module (a
+registry keyed by module), so tripwires of concurrent runs never publish over each other.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
-__all__ = ["find_blocks", "pre_hooks"]
+__all__ = ["Tripwire", "find_blocks", "pre_hooks"]
+
+#: The key of stopcock's hook in every module's ``_forward_pre_hooks``: an id taken from torch's
+#: own counter, so it never collides with a hook registered the usual way.
+_KEY = RemovableHandle(OrderedDict()).id
+_lock = threading.RLock()  # re-entrant: a stop from a signal handler may arm on a thread that holds it
 
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:
@@ -37,20 +58,90 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
+class _Published:
+    """stopcock's hook on one module: the original hook dict, the published copy, the tripwires."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.original: OrderedDict[int, Any] = vars(module)["_forward_pre_hooks"]
+        self.keys = set(self.original)
+        self.wires: tuple[Tripwire, ...] = ()  # replaced, never mutated: the hook reads it unlocked
+        self.copy: OrderedDict[int, Any] = type(self.original)(self.original)
+        self.copy[_KEY] = self.hook
+        vars(module)["_forward_pre_hooks"] = self.copy
+
+    def hook(self, module: nn.Module, args: Any) -> None:
+        me = threading.get_ident()
+        for wire in self.wires:
+            if wire.owner == me:
+                wire.check(module)
+
+    def withdraw(self) -> None:
+        """Take the hook off the module (see the module docstring)."""
+        attrs = vars(self.module)
+        current = attrs["_forward_pre_hooks"]
+        if current is self.copy and set(self.copy) <= self.keys | {_KEY}:
+            attrs["_forward_pre_hooks"] = self.original  # also reflects hooks removed meanwhile
+            return
+        for key in [_KEY, *(self.keys - set(self.original))]:  # ours, and those removed meanwhile
+            current.pop(key, None)
+
+
+_published: dict[nn.Module, _Published] = {}
+
+
+class Tripwire:
+    """``check(module)`` before each forward of each of ``modules`` on this thread, once armed.
+
+    Entering installs nothing; :meth:`arm` (from any thread, idempotent) installs the checks, and
+    leaving the ``with`` block removes them. ``modules`` is read when armed, not before.
+    """
+
+    def __init__(self, modules: Iterable[nn.Module], check: Callable[[nn.Module], Any]) -> None:
+        self.check = check
+        self.owner = threading.get_ident()
+        self.armed = False
+        self._modules: Iterable[nn.Module] | None = modules
+        self._on: list[_Published] = []
+        self._closed = False
+
+    def __enter__(self) -> Tripwire:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def arm(self) -> None:
+        """Install the checks (no-op when armed already or closed)."""
+        with _lock:
+            if self.armed or self._closed or self._modules is None:
+                return
+            self.armed = True
+            modules, self._modules = self._modules, None
+            for module in dict.fromkeys(modules):  # each module once, order kept
+                if "_forward_pre_hooks" not in vars(module):
+                    continue  # not initialised by nn.Module.__init__: torch calls no hooks on it either
+                entry = _published.get(module)
+                if entry is None:
+                    entry = _published[module] = _Published(module)
+                entry.wires = (*entry.wires, self)
+                self._on.append(entry)
+
+    def close(self) -> None:
+        """Remove the checks (idempotent); a later :meth:`arm` does nothing."""
+        with _lock:
+            self._closed = True
+            on, self._on = self._on, []
+            for entry in on:
+                entry.wires = tuple(w for w in entry.wires if w is not self)
+                if not entry.wires:
+                    del _published[entry.module]
+                    entry.withdraw()
+
+
 @contextmanager
 def pre_hooks(modules: Iterable[nn.Module], fn: Callable[[nn.Module], Any]) -> Iterator[None]:
-    """Call ``fn(module)`` before each forward of each module, on this thread only."""
-    owner = threading.get_ident()
-
-    def hook(module: nn.Module, args: Any) -> None:
-        if threading.get_ident() == owner:
-            fn(module)
-
-    handles = []
-    try:
-        for m in dict.fromkeys(modules):  # each module once, order kept
-            handles.append(m.register_forward_pre_hook(hook))
+    """Call ``fn(module)`` before each forward of each module, on this thread only (armed at once)."""
+    with Tripwire(modules, fn) as wire:
+        wire.arm()
         yield
-    finally:
-        for h in handles:
-            h.remove()

@@ -1,7 +1,7 @@
 """``run()``: the one entry point. Resolves the target's adapter once, binds the stop machinery, runs.
 
-``run(target, *args, stop=, mode=, on_step=, adapter=, kwargs=, **target_kwargs)``: the keyword
-arguments that are not ``run()``'s own go to the target, except the options of its adapter (such
+``run(target, *args, stop=, mode=, escalate_after=, on_step=, adapter=, kwargs=, **target_kwargs)``:
+the keyword arguments that are not ``run()``'s own go to the target, except the options of its adapter (such
 as diffusers' ``partial=``). A target argument whose name ``run()`` or an adapter uses itself
 (WanAnimatePipeline's own ``mode``) goes in the explicit ``kwargs=`` mapping, which reaches the
 target unchanged.
@@ -23,7 +23,7 @@ from .types import Mode
 __all__ = ["RUN_OPTIONS", "Bound", "UnsupportedTarget", "bind", "run"]
 
 #: ``run()``'s own keyword arguments besides ``stop=``, which the streams pass through to it.
-RUN_OPTIONS = ("mode", "on_step", "adapter", "kwargs")
+RUN_OPTIONS = ("mode", "escalate_after", "on_step", "adapter", "kwargs")
 
 
 @dataclass
@@ -50,12 +50,14 @@ def bind(
     *,
     stop: StopLike | None = None,
     mode: Mode = "finish",
+    escalate_after: float | None = None,
     on_step: Callable[[StepState], object] | None = None,
     adapter: str | Adapter | None = None,
     kwargs: Mapping[str, Any] | None = None,
 ) -> Bound:
     """Check everything that can be checked before the run and bind it (see :func:`run`)."""
-    control = RunControl(stop, mode=mode, on_step=on_step)  # validates stop= and mode= first
+    # validates stop=, mode= and escalate_after= first
+    control = RunControl(stop, mode=mode, on_step=on_step, escalate_after=escalate_after)
     found, foreign = resolve(target, REGISTRY, adapter)
     target_kwargs = dict(target_kwargs)
     options = {name: target_kwargs.pop(name) for name in found.options if name in target_kwargs}
@@ -86,6 +88,7 @@ def run(
     *args: Any,
     stop: StopLike | None = None,
     mode: Mode = "finish",
+    escalate_after: float | None = None,
     on_step: Callable[[StepState], object] | None = None,
     adapter: str | Adapter | None = None,
     kwargs: Mapping[str, Any] | None = None,
@@ -95,12 +98,16 @@ def run(
 
     ``stop`` is a :class:`~stopcock.StopSignal`, a condition, or a list of them. ``mode="finish"``
     ends at the next step and returns the (partial) output the library builds; ``mode="abort"``
-    abandons the run inside the model forward at the next block. ``on_step(state)`` is called after
+    abandons the run inside the model forward at the next module call. ``escalate_after=S``
+    (finish mode): a stop that no step boundary has seen S seconds after it was requested (a slow
+    step) escalates to abort, keeping the last finished step's partial result; the Outcome then
+    says ``mode="abort"`` and ``detail`` how long it waited. ``on_step(state)`` is called after
     each step. ``adapter`` names the adapter to use ("transformers", "diffusers", or an adapter
     object) instead of detecting it. Keyword arguments go to the target unchanged, except the
     adapter's own options (``partial=`` for diffusers); ``kwargs=`` is a mapping of target
     arguments passed as they are, for a name that ``run()`` itself uses (e.g. a pipeline's ``mode``).
     """
     return bind(
-        target, args, target_kwargs, stop=stop, mode=mode, on_step=on_step, adapter=adapter, kwargs=kwargs
+        target, args, target_kwargs, stop=stop, mode=mode, escalate_after=escalate_after, on_step=on_step,
+        adapter=adapter, kwargs=kwargs,
     )()

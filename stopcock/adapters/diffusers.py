@@ -16,8 +16,10 @@ How a run is bound (one mechanism for every pipeline kind):
   the remaining steps and the pipeline decodes as usual. With ``partial="denoised"`` the scheduler's
   result at that step is replaced by the x0 estimate, so that is what gets decoded.
 - **Abort** (``mode="abort"``, and every other pipeline): :class:`~stopcock.control.Abort` is raised
-  at the step boundary, and forward pre-hooks on the blocks of every model component raise it at the
-  next block while a forward is under way. No VAE decode, no safety checker, no next stage.
+  at the step boundary, and forward pre-hooks on every module of every model component, armed once a
+  stop is possible (:meth:`~stopcock.control.RunControl.intercept`), raise it at the next module call
+  while a forward is under way. No VAE decode, no safety checker, no next stage. A finish-mode stop
+  escalated by ``escalate_after=`` aborts the same way.
 
 Users' own ``callback_on_step_end`` / legacy ``callback`` arguments are left untouched.
 """
@@ -25,6 +27,7 @@ Users' own ``callback_on_step_end`` / legacy ``callback`` arguments are left unt
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 import threading
 import weakref
@@ -40,7 +43,7 @@ from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from ..conditions import StopLike, refuse_row_conditions
 from ..control import Abort, RunControl
 from ..events import StreamEvents
-from ..hooks import find_blocks, pre_hooks
+from ..hooks import Tripwire
 from ..outcome import Outcome
 from ..pipeline_facts import GENERATE_ONLY, call_honours_interrupt
 from ..previews import previewer
@@ -156,11 +159,13 @@ class _StepWrapper:
         result = self.original(*args, **kwargs)
         if threading.get_ident() != self.owner:
             return result
-        # By name: not every step() takes (model_output, timestep, sample) first (CogVideoX's DPM).
+        return self.binding.step_done(self, args, kwargs, result)
+
+    def named(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:
+        """(model_output, timestep, sample) of a call, by name: not every step() takes them first
+        (CogVideoX's DPM)."""
         named = self.__signature__.bind(*args, **kwargs).arguments
-        return self.binding.step_done(
-            self.scheduler, named.get("model_output"), named.get("timestep"), named.get("sample"), result
-        )
+        return named.get("model_output"), named.get("timestep"), named.get("sample")
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         copy = memo.get(id(self.scheduler))
@@ -184,6 +189,8 @@ class _Binding:
         self.aborted = False
         self.latents: Any = None
         self.denoised: Any = None
+        self._last: tuple[_StepWrapper, tuple[Any, ...], dict[str, Any], Any] | None = None  # see _settle
+        self.safety: Tripwire | None = None
         self.latents_kind: str | None = None  # "raw" or "denoised": what self.latents holds at a stop
         self.stepping: Any = None  # the scheduler whose steps are counted (the current stage's)
         self.stage_end = math.inf  # the step count at which the current stage ends, when known
@@ -224,12 +231,12 @@ class _Binding:
             for scheduler in self.schedulers():
                 self._stack.enter_context(_wrapped_step(scheduler, self))
             if self.native:
-                # Safety net: a denoiser forward after we set the flag means the loop ignored it.
-                self._stack.enter_context(pre_hooks(self.denoisers(), self._after_flag))
-            else:
-                models = list(self._models().values())
-                blocks = [b for m in models for b in find_blocks(m)]
-                self._stack.enter_context(pre_hooks(models + blocks, lambda _m: self.control.poll()))
+                # Safety net, armed with the flag: a denoiser forward after it means the loop ignored it.
+                self.safety = self._stack.enter_context(Tripwire(self.denoisers(), self._after_flag))
+            # Checks before every module call of every model, armed once a stop makes them needed:
+            # abort (every pipeline but the native finish path), or an escalating finish-mode stop.
+            modules = itertools.chain.from_iterable(m.modules() for m in self._models().values())
+            self._stack.enter_context(self.control.intercept(modules, abort=not self.native))
         except BaseException:
             self._stack.close()
             raise
@@ -264,7 +271,15 @@ class _Binding:
             raise Abort(self.control)
 
     # events from the wrapped scheduler.step
-    def step_done(self, scheduler: Any, model_output: Any, timestep: Any, sample: Any, result: Any) -> Any:
+    def step_done(
+        self, wrapper: _StepWrapper, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any
+    ) -> Any:
+        scheduler = wrapper.scheduler
+        if scheduler is self.stepping and self.control.quiet_step(self.control.steps + 1):
+            self._last = (wrapper, args, kwargs, result)  # latents and x0 estimate, read if needed
+            return result
+        self._last = None
+        model_output, timestep, sample = wrapper.named(args, kwargs)
         if scheduler is not self.stepping:
             in_stage = self.stepping is not None and self.control.steps < self.stage_end
             if in_stage or scheduler in self.streams:
@@ -295,12 +310,32 @@ class _Binding:
         if not self.native:
             raise Abort(self.control)
         self.pipe._interrupt = self.flagged = True
+        assert self.safety is not None
+        self.safety.arm()
         return result
 
+    def _settle(self) -> None:
+        """The latents and x0 estimate of the last step the fast path went past, read now: the
+        scheduler has not stepped since (an abort inside the next step's forward, or the run's end)."""
+        if self._last is not None:
+            wrapper, args, kwargs, result = self._last
+            self._last = None
+            model_output, _, sample = wrapper.named(args, kwargs)
+            self.latents = result[0]
+            self.denoised = _denoised(wrapper.scheduler, model_output, sample, result)
+
     def outcome(self, output: Any) -> Outcome:
+        self._settle()
         if self.control.mode == "finish" and not self.native and self.aborted:
             name = type(self.pipe).__name__
             self.notes.insert(0, f"{name} cannot finish early (it ignores interrupt): aborted instead")
+        if self.aborted and self.latents_kind is None and self.latents is not None:
+            # aborted inside a forward: the last finished step's latents, as partial= asks
+            self.latents_kind = "raw"
+            if self.partial == "denoised" and self.denoised is not None:
+                self.latents, self.latents_kind = self.denoised, "denoised"
+            elif self.partial == "denoised":
+                self.notes.append("no denoised estimate from the last step: kept the raw latents")
         stopped = self.control.seen
         return self.control.outcome(
             None if self.aborted else output,

@@ -8,8 +8,9 @@ string end (padded) while the others go on; in beam search an item ends when its
 hits one. The text that triggered a stop is kept in the output, as transformers keeps it: the
 stop string is at the end of the text (the last token may run past it).
 
-``mode="abort"`` adds forward pre-hooks on the model and its blocks, so a stop during a long
-prefill abandons the forward within one block. Other pipelines are fed their inputs one by one and
+``mode="abort"`` (or a finish-mode stop escalated by ``escalate_after=``) arms forward pre-hooks
+on every module of the model once a stop is possible, so a stop during a long prefill abandons the
+forward at the next module call. Other pipelines are fed their inputs one by one and
 stop between items (or batches), keeping the results done so far.
 """
 
@@ -28,7 +29,6 @@ from transformers.utils.chat_template_utils import is_valid_message
 from ..conditions import StopLike, refuse_row_conditions, stop_strings_of
 from ..control import Abort, RunControl
 from ..events import StreamEvents
-from ..hooks import find_blocks, pre_hooks
 from ..outcome import Outcome
 
 __all__ = ["ADAPTER", "TransformersAdapter", "stopping_criteria"]
@@ -105,11 +105,15 @@ class _RunCriteria(StoppingCriteria):
             known = self.given_prompt_len
             self.prompt_len = input_ids.shape[1] - 1 if known is None else known
         self.new = input_ids.shape[1] - self.prompt_len
-        self.last_ids, self.last_call_at = input_ids, time.monotonic()
+        self.last_ids = input_ids
         # A plain bool applies to every row (StoppingCriteriaList ORs it into its tensor) and costs
         # no tensor allocation, nor a device kernel, per token; only stop strings need a row tensor.
+        # While nothing can stop the run, the token is only counted (no StepState, no condition walk).
+        if self.strings is None and self.control.quiet_step(self.base + self.new):
+            return False  # type: ignore[return-value]
         done: torch.Tensor | bool = False
         if self.strings is not None:
+            self.last_call_at = time.monotonic()
             done = rows = self.strings(input_ids, scores)
             if self.rows_per_item > 1:
                 if input_ids.shape[0] % self.rows_per_item:
@@ -255,12 +259,11 @@ def stopping_criteria(stop: StopLike, tokenizer: Any = None) -> StoppingCriteria
 
 
 def _guarded(control: RunControl, model: Any, call: Callable[[], Any]) -> tuple[Any, bool]:
-    """``call()``; in abort mode with pre-hooks on the model and its blocks. Returns (result, aborted)."""
-    if control.mode != "abort":
-        return call(), False
-    modules = [*find_blocks(model), model] if isinstance(model, torch.nn.Module) else []
+    """``call()`` with the checks before every module call of the model, armed when a stop makes
+    them needed (abort mode, or an escalating finish-mode stop). Returns (result, aborted)."""
+    modules = model.modules() if isinstance(model, torch.nn.Module) else ()
     try:
-        with pre_hooks(modules, lambda _: control.poll()):
+        with control.intercept(modules):
             return call(), False
     except Abort as exc:
         if exc.control is not control:
