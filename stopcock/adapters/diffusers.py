@@ -275,11 +275,6 @@ class _Binding:
         self, wrapper: _StepWrapper, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any
     ) -> Any:
         scheduler = wrapper.scheduler
-        if scheduler is self.stepping and self.control.quiet_step(self.control.steps + 1):
-            self._last = (wrapper, args, kwargs, result)  # latents and x0 estimate, read if needed
-            return result
-        self._last = None
-        model_output, timestep, sample = wrapper.named(args, kwargs)
         if scheduler is not self.stepping:
             in_stage = self.stepping is not None and self.control.steps < self.stage_end
             if in_stage or scheduler in self.streams:
@@ -288,12 +283,17 @@ class _Binding:
                     self.streams.append(scheduler)
                 return result
             # A new stage (a combined pipeline's decoder after its prior): its steps add up.
-            remaining = _remaining_steps(scheduler, timestep)
+            remaining = _remaining_steps(scheduler, wrapper.named(args, kwargs)[1])
             if self.stepping is None:
                 remaining = _cut_short(remaining, vars(self.pipe).get("_num_timesteps"))
             self.stepping = scheduler
             if remaining is not None:
                 self.stage_end = self.control.total = self.control.steps + remaining
+        if self.control.quiet_step(self.control.steps + 1):
+            self._last = (wrapper, args, kwargs, result)  # latents and x0 estimate, read if needed
+            return result
+        self._last = None
+        model_output, timestep, sample = wrapper.named(args, kwargs)
         self.latents = result[0]
         self.denoised = _denoised(scheduler, model_output, sample, result)
         extra = {"denoised": self.denoised} if self.denoised is not None else {}

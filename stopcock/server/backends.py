@@ -25,7 +25,7 @@ from ..events import RowDecoder
 from ..files import png_base64
 from ..loading import load_image_pipeline, load_text_model, resolve_model
 from ..outcome import Outcome
-from ..previews import latent_preview, previewable
+from ..previews import decode_preview, latent_preview, previewable
 from ..runner import run
 from ..state import StepState
 from ..tiny.demo import DESCRIPTIONS
@@ -139,6 +139,7 @@ class TextLane:
             prompt,
             stop=ctx.stop(from_options(spec.stop)),
             on_step=ctx.on_step(lambda state: publish(rows.chunks(state), state.step)),
+            escalate_after=ctx.escalate_after,
             max_new_tokens=params["max_tokens"],
             return_full_text=False,
             **self.decoding(params),
@@ -225,13 +226,23 @@ class ImageLane:
             prompt=spec.prompt,
             stop=ctx.stop(from_options(spec.stop)),
             on_step=ctx.on_step(report),
+            escalate_after=ctx.escalate_after,
             partial=params["partial"],
             generator=generator,
             **self.backend.call_kwargs(params),
         )
         images = getattr(outcome.output, "images", None)
-        ctx.set_result(image=None if not images else png_base64(images[0]), detail=outcome.detail)
+        image = images[0] if images else self._decoded(outcome.latents)
+        ctx.set_result(image=None if image is None else png_base64(image), detail=outcome.detail)
         return outcome
+
+    def _decoded(self, latents: Any) -> Any:
+        """An aborted run's image (an escalated stop): its last finished step's latents, decoded by
+        the VAE as the pipeline decodes them; None where there are none or they are not image
+        latents (packed latents, e.g. Flux's)."""
+        if getattr(latents, "ndim", None) != 4 or getattr(self.pipe, "vae", None) is None:
+            return None
+        return decode_preview(self.pipe, latents)
 
 
 def load_backends(text_model: str | None, image_model: str | None) -> dict[str, Backend]:

@@ -111,10 +111,13 @@ class RunContext(Protocol):
     """What a lane gets for one job from the engine that runs it.
 
     ``signal`` is the job's stop signal. The lane runs ``stopcock.run(..., stop=ctx.stop(conditions),
-    on_step=ctx.on_step(report))`` and reports text, previews and the result through the others.
+    on_step=ctx.on_step(report), escalate_after=ctx.escalate_after)`` and reports text, previews and
+    the result through the others. ``escalate_after`` is the engine's grace period: a stop that a
+    step has not honoured after that many seconds aborts the run (None: never).
     """
 
     signal: StopSignal
+    escalate_after: float | None
 
     def stop(self, conditions: Iterable[Condition]) -> list[Condition | StopSignal]:
         """The run's ``stop=``: the job's signal (and what the engine needs to watch) and ``conditions``."""

@@ -163,10 +163,11 @@ class _Reached(Condition):
 class _JobContext:
     """The :class:`~stopcock.server.contract.RunContext` of one job run by this engine."""
 
-    def __init__(self, job: _Job, step_delay: float) -> None:
+    def __init__(self, job: _Job, step_delay: float, escalate_after: float | None) -> None:
         self._job = job
         self.signal = job.signal
         self.step_delay = step_delay
+        self.escalate_after = escalate_after
 
     def stop(self, conditions: Iterable[Condition]) -> list[Condition | StopSignal]:
         """The run's ``stop=``: the step recorder, the job's signal, then the job's own ``conditions``."""
@@ -207,7 +208,10 @@ class LocalEngine:
     ``backends`` maps each served kind (``"text"``, ``"image"``) to its backend; each worker gets
     its own lane of each. ``retain`` finished jobs are kept for reading; older ones are forgotten.
     ``stop_wait`` bounds how long a stop request waits for the run to end before answering
-    with the job still ``stopping``. ``step_delay`` is the test-only per-step throttle.
+    with the job still ``stopping``. Jobs run in finish mode; ``stop_grace`` is how long a stop
+    waits for a step to end before it escalates to abort (a slow step never holds a stop: see
+    ``escalate_after=`` of :func:`stopcock.run`; None: never). ``step_delay`` is the test-only
+    per-step throttle.
     """
 
     def __init__(
@@ -218,10 +222,13 @@ class LocalEngine:
         queue_size: int = 16,
         retain: int = 256,
         stop_wait: float = 30.0,
+        stop_grace: float | None = 5.0,
         step_delay: float = 0.0,
     ) -> None:
         if concurrency < 1 or queue_size < 0 or retain < 1:
             raise ValueError("concurrency and retain must be >= 1 and queue_size >= 0")
+        if stop_grace is not None and not 0 <= stop_grace < float("inf"):
+            raise ValueError(f"stop_grace must be seconds >= 0 or None, got {stop_grace!r}")
         if not backends:
             raise ValueError("the engine needs at least one kind of model to serve")
         self.backends = dict(backends)
@@ -231,6 +238,7 @@ class LocalEngine:
         self.queue_size = queue_size
         self.retain = retain
         self.stop_wait = stop_wait
+        self.stop_grace = stop_grace
         self.step_delay = step_delay
         self._lock = threading.Condition()
         self._jobs: dict[str, _Job] = {}
@@ -401,7 +409,7 @@ class LocalEngine:
         """Run the job; returns its final state, reason, Outcome summary and error."""
         job.emit("started")
         try:
-            outcome = lane.execute(job.spec, _JobContext(job, self.step_delay))
+            outcome = lane.execute(job.spec, _JobContext(job, self.step_delay, self.stop_grace))
         except Exception as exc:  # the job reports it as failed; the worker lives on
             log.exception("job %s failed", job.id)
             return "failed", "error", None, f"{type(exc).__name__}: {exc}"

@@ -37,6 +37,13 @@ def _count(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
@@ -57,6 +64,11 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=_positive, default=1, metavar="N", help="jobs running at once")
     parser.add_argument(
         "--queue-size", type=_count, default=16, metavar="M", help="jobs waiting at most (429 beyond)"
+    )
+    parser.add_argument(
+        "--stop-grace", type=_seconds, default=5.0, metavar="SECONDS",
+        help="a stop waits this long for the running step to end, then aborts it at the next module"
+        " call, keeping the last finished step's result (default: %(default)s)",
     )
     parser.set_defaults(func=serve)
     return parser
@@ -134,6 +146,7 @@ def _run(args: argparse.Namespace, keys: list[str], backends: dict[str, Any]) ->
         backends,
         concurrency=args.concurrency,
         queue_size=args.queue_size,
+        stop_grace=args.stop_grace,
         step_delay=float(os.environ.get(STEP_DELAY_ENV, "0") or 0),
     )
 

@@ -1,0 +1,269 @@
+"""Zero cost until stopped: nothing is installed in a model until a stop becomes possible, a step
+builds no state while nothing can fire, arming is safe while the run's thread is inside a forward,
+and once armed an abort lands at the next module call, with the next run bit-identical."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import stopcock
+from stopcock.conditions import Condition
+from stopcock.control import RunControl
+from stopcock.hooks import Tripwire
+from tiny import image as tiny
+from tiny.slow import SlowLayer, slow_down
+
+NEW = 12
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+def hooked(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if m._forward_pre_hooks]
+
+
+@pytest.fixture
+def states(monkeypatch):
+    """The StepStates runs build, counted."""
+    built: list[object] = []
+    real = RunControl.state
+
+    def counting(self, **kwargs):
+        state = real(self, **kwargs)
+        built.append(state)
+        return state
+
+    monkeypatch.setattr(RunControl, "state", counting)
+    return built
+
+
+# -- the tripwire ------------------------------------------------------------------------------------
+def test_a_tripwire_installs_nothing_until_armed_and_puts_the_users_dicts_back():
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+    theirs = model[1].register_forward_pre_hook(lambda m, a: None)
+    original = model[1]._forward_pre_hooks
+    seen: list[nn.Module] = []
+    with Tripwire(model.modules(), seen.append) as wire:
+        model(torch.zeros(1, 2))
+        assert seen == [] and hooked(model) == [model[1]]
+        wire.arm()
+        wire.arm()  # idempotent
+        model(torch.zeros(1, 2))
+        assert seen == [model, model[0], model[1], model[2]]
+        assert model[1]._forward_pre_hooks is not original and len(original) == 1  # a copy was published
+    assert model[1]._forward_pre_hooks is original  # the dict the user's handle refers to
+    theirs.remove()
+    assert hooked(model) == []
+    wire.arm()  # closed: nothing is installed any more
+    assert hooked(model) == []
+
+
+def test_arming_from_another_thread_mutates_no_dict_torch_may_be_iterating():
+    """The run's thread is inside a forward (held in ``first``) when another thread arms: the dicts
+    torch already read stay untouched, and the next module call runs the check."""
+    first = SlowLayer(hold_at=0)
+    model = nn.Sequential(first, nn.Linear(2, 2), nn.Linear(2, 2))
+    read_by_torch = {m: m._forward_pre_hooks for m in model.modules()}
+    seen: list[nn.Module] = []
+
+    def check(module: nn.Module) -> None:
+        seen.append(module)
+        first.release.set()  # the check ran inside the held forward: let it go on
+
+    with Tripwire(model.modules(), check) as wire:
+
+        def arm_while_inside() -> None:
+            assert first.entered.wait(30)
+            wire.arm()
+
+        helper = threading.Thread(target=arm_while_inside)
+        helper.start()
+        model(torch.zeros(1, 2))
+        helper.join()
+    assert all(d == {} for d in read_by_torch.values())  # never mutated
+    assert model not in seen and first not in seen  # already past their pre-hooks when armed
+    assert first.inner in seen and seen[-2:] == [model[1], model[2]]
+    assert hooked(model) == []
+
+
+def test_tripwires_sharing_a_module_and_a_hook_registered_while_armed():
+    layer, x = nn.Linear(2, 2), torch.zeros(1, 2)
+    original = layer._forward_pre_hooks
+    a_seen: list[nn.Module] = []
+    b_seen: list[nn.Module] = []
+    with Tripwire([layer], a_seen.append) as a, Tripwire([layer], b_seen.append) as b:
+        a.arm()
+        b.arm()
+        layer(x)
+        a.close()
+        layer(x)
+    assert (len(a_seen), len(b_seen)) == (1, 2)
+    assert layer._forward_pre_hooks is original and not original
+
+    late_calls: list[int] = []
+    with Tripwire([layer], a_seen.append) as c:
+        c.arm()
+        late = layer.register_forward_pre_hook(lambda m, a: late_calls.append(1))
+    layer(x)  # the late hook survived the close; the tripwire's check did not
+    assert late_calls == [1] and len(a_seen) == 1
+    late.remove()
+    assert not layer._forward_pre_hooks
+
+
+# -- the step fast path --------------------------------------------------------------------------------
+def test_quiet_steps_build_no_state_until_something_can_fire(states):
+    signal = stopcock.StopSignal()
+    with RunControl(signal | stopcock.timeout(3600) | stopcock.max_steps(5)) as control:
+        assert [control.quiet_step(n) for n in (1, 2, 3, 4)] == [True] * 4
+        assert not control.check() and states == [] and control.steps == 4
+        assert not control.quiet_step(5) and control.steps == 4  # max_steps may fire: the full step
+        assert control.step(5) and len(states) == 1
+    with RunControl(signal) as control:
+        assert control.quiet_step(1)
+        signal.stop("now")
+        assert not control.quiet_step(2) and control.step(2) and control.token.reason == "now"
+
+
+@pytest.mark.parametrize(
+    "stop, on_step",
+    [(stopcock.when(lambda s: False), None), (stopcock.StopSignal(), print), (stopcock.timeout(0), None)],
+    ids=["when", "on_step", "expired"],
+)
+def test_steps_that_something_watches_are_full_steps(stop, on_step):
+    with RunControl(stop, on_step=on_step) as control:
+        assert not control.quiet_step(1)
+
+
+@pytest.mark.parametrize("mode", ["finish", "abort"])
+def test_a_generate_run_builds_no_state_per_token(text_model, tokenizer, states, mode):
+    ids = tokenizer(["Hello world"], return_tensors="pt")
+    signal = stopcock.StopSignal()
+    outcome = stopcock.run(text_model, **ids, max_new_tokens=NEW, do_sample=False, stop=signal, mode=mode)
+    assert outcome.steps == NEW and not outcome.stopped and states == []
+
+
+def test_a_diffusers_run_builds_no_state_per_step_and_keeps_the_last_latents(states):
+    pipe = tiny.stable_diffusion_pipeline()
+    kwargs = {"prompt": "a cat", "num_inference_steps": 4, "output_type": "latent"}
+    seen: list[object] = []
+    watched = stopcock.run(pipe, **kwargs, generator=torch.Generator().manual_seed(0), on_step=seen.append)
+    states.clear()
+    signal = stopcock.StopSignal()
+    quiet = stopcock.run(pipe, **kwargs, generator=torch.Generator().manual_seed(0), stop=signal)
+    assert quiet.steps == 4 and states == []
+    # what the fast path left to read later is what a watched run saw at its last step
+    torch.testing.assert_close(quiet.latents, watched.latents, rtol=0, atol=0)
+    torch.testing.assert_close(quiet.extra["denoised"], watched.extra["denoised"], rtol=0, atol=0)
+
+
+# -- abort mode: armed when a stop becomes possible, then within one module call -------------------------
+def test_abort_mode_installs_nothing_until_the_stop_then_aborts_inside_the_block(text_model, tokenizer):
+    ids = tokenizer(["Hello world"], return_tensors="pt")
+    expected = text_model.generate(**ids, max_new_tokens=NEW, do_sample=False)
+    block = text_model.transformer.h[0]
+    signal, hooked_at_forward = stopcock.StopSignal(), []
+    calls = {"attn": 0, "mlp": 0}
+
+    def after_attention(module, args, output):
+        calls["attn"] += 1
+        if calls["attn"] == 4:  # inside the forward of the 4th token, between attention and MLP
+            signal.stop("inside")
+
+    handles = [
+        text_model.register_forward_pre_hook(lambda m, a: hooked_at_forward.append(len(hooked(text_model)))),
+        block.attn.register_forward_hook(after_attention),
+        block.mlp.register_forward_hook(lambda m, a, o: calls.__setitem__("mlp", calls["mlp"] + 1)),
+    ]
+    try:
+        outcome = stopcock.run(
+            text_model, **ids, max_new_tokens=NEW, do_sample=False, stop=signal, mode="abort"
+        )
+    finally:
+        for h in handles:
+            h.remove()
+    assert hooked_at_forward == [1, 1, 1, 1]  # only the test's own hook, in every forward before the stop
+    assert (outcome.stopped, outcome.reason, outcome.steps, outcome.mode) == (True, "inside", 3, "abort")
+    assert calls == {"attn": 4, "mlp": 3}  # aborted at the next module call, inside the block
+    assert torch.equal(outcome.output, expected[:, : ids["input_ids"].shape[1] + 3])
+    assert hooked(text_model) == []
+    again = stopcock.run(text_model, **ids, max_new_tokens=NEW, do_sample=False, mode="abort")
+    assert torch.equal(again.output, expected)  # the next run is bit-identical
+
+
+def test_a_diffusers_abort_lands_at_the_next_module_and_the_next_run_is_identical(count_forwards):
+    pipe = tiny.stable_diffusion_pipeline()
+
+    def kwargs():
+        return {"prompt": "a cat", "num_inference_steps": 4, "generator": torch.Generator().manual_seed(0),
+                "output_type": "np"}
+
+    reference = pipe(**kwargs()).images
+    resnet = pipe.unet.mid_block.resnets[0]
+    signal, seen = stopcock.StopSignal(), []
+    calls = count_forwards(resnet.norm1, resnet.conv1, resnet.norm2)
+    handle = resnet.conv1.register_forward_hook(lambda m, a, o: len(seen) == 2 and signal.stop("inside"))
+    try:
+        outcome = stopcock.run(pipe, **kwargs(), stop=signal, mode="abort", on_step=seen.append)
+    finally:
+        handle.remove()
+    assert (outcome.reason, outcome.steps, outcome.output) == ("inside", 2, None)
+    assert (calls[resnet.norm1], calls[resnet.conv1], calls[resnet.norm2]) == (3, 3, 2)
+    assert all(not hooked(m) for m in pipe.components.values() if isinstance(m, nn.Module))
+    assert (pipe(**kwargs()).images == reference).all()
+
+
+def test_a_timeout_arms_abort_mode_shortly_before_it_expires(text_model, tokenizer):
+    ids = tokenizer(["Hello world"], return_tensors="pt")
+    slow = SlowLayer(hold_at=0)  # the prefill never ends by itself: only the timeout ends it
+    original = text_model.transformer.h[1].mlp
+    slow_down(text_model, "transformer.h.1.mlp", slow)
+    seen_at_start: list[int] = []
+    handle = text_model.register_forward_pre_hook(lambda m, a: seen_at_start.append(len(hooked(text_model))))
+    try:
+        outcome = stopcock.run(
+            text_model, **ids, max_new_tokens=NEW, stop=stopcock.timeout(0.2), mode="abort"
+        )
+    finally:
+        handle.remove()
+        text_model.transformer.h[1].mlp = original
+    assert seen_at_start == [1]  # nothing of stopcock's when the forward began
+    assert (outcome.stopped, outcome.reason, outcome.steps, outcome.mode) == (True, "timeout", 0, "abort")
+    assert torch.equal(outcome.output, ids["input_ids"]) and hooked(text_model) == []
+
+
+class Always(Condition):
+    """A condition of the user's own: it may fire at any moment, so abort mode arms at once."""
+
+    reason = "mine"
+
+    def __init__(self) -> None:
+        self.fire = False
+
+    def check(self, state):
+        return self.reason if self.fire else None
+
+
+def test_a_condition_of_your_own_is_armed_from_the_start(text_model, tokenizer):
+    ids = tokenizer(["Hello world"], return_tensors="pt")
+    mine, counts = Always(), []
+
+    def count(module, args):
+        counts.append(len(hooked(text_model)))
+        mine.fire = len(counts) == 3
+
+    handle = text_model.register_forward_pre_hook(count)
+    try:
+        outcome = stopcock.run(
+            text_model, **ids, max_new_tokens=NEW, do_sample=False, stop=mine, mode="abort"
+        )
+    finally:
+        handle.remove()
+    assert counts[0] > 1  # armed before the first forward
+    assert (outcome.reason, outcome.steps, outcome.mode) == ("mine", 2, "abort")
