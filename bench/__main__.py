@@ -1,8 +1,12 @@
-"""``python -m bench [--quick] [--only NAME ...] [--out PATH]``: run the benchmarks, write RESULTS.md.
+"""``python -m bench [--quick] [--only NAME ...] [--out PATH] [--device cpu|cuda] [--dtype ...]``.
 
 The full run (``make bench``) writes ``bench/RESULTS.md`` and refreshes the summary in the README's
 ``bench`` section from the same numbers. ``--quick`` runs the smallest configuration of each
 benchmark in seconds (what the CI smoke test runs) and prints the report unless ``--out`` is given.
+``--device cuda`` (with ``--dtype float16`` or ``bfloat16``) runs the same tables on a GPU, with
+CUDA-synchronised timing and a count of the host-device synchronisations a run adds; a run on
+another device than the CPU in float32 writes ``bench/RESULTS-<device>-<dtype>.md`` and leaves the
+README alone.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from .common import Section, machine_info, quiet
+from .common import Device, Section, machine_info, quiet
 
 BENCHMARKS = {
     "overhead": "bench.overhead",
@@ -28,13 +32,13 @@ README = HERE.parent / "README.md"
 SUMMARY_START, SUMMARY_END = "<!-- bench-summary -->", "<!-- /bench-summary -->"
 
 
-def run_benchmarks(names: list[str], quick: bool) -> list[Section]:
-    """Run the named benchmarks in order; progress goes to stderr."""
+def run_benchmarks(names: list[str], quick: bool, device: Device | None = None) -> list[Section]:
+    """Run the named benchmarks in order (on ``device``, default the CPU); progress goes to stderr."""
     sections = []
     for name in names:
         start = time.perf_counter()
         print(f"bench: {name} ...", file=sys.stderr, flush=True)
-        sections.append(importlib.import_module(BENCHMARKS[name]).run(quick=quick))
+        sections.append(importlib.import_module(BENCHMARKS[name]).run(quick=quick, device=device or Device()))
         print(f"bench: {name} done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     return sections
 
@@ -97,16 +101,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smallest configurations (seconds; CI smoke)")
     parser.add_argument("--only", nargs="+", choices=list(BENCHMARKS), help="run only these benchmarks")
     parser.add_argument("--out", type=Path, help="where to write the report (full run: bench/RESULTS.md)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda / cuda:N")
+    parser.add_argument("--dtype", default="float32", help="float32 (default), float16 or bfloat16")
     args = parser.parse_args(argv)
+    try:
+        device = Device.checked(args.device, args.dtype)
+    except ValueError as exc:
+        parser.error(str(exc))
     names = args.only or list(BENCHMARKS)
-    out = args.out or (None if args.quick else RESULTS)
+    elsewhere = HERE / f"RESULTS-{device.name.replace(':', '')}-{device.dtype}.md"
+    default = RESULTS if device == Device() else elsewhere
+    out = args.out or (None if args.quick else default)
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach the model hub
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     with quiet():
-        info = machine_info()
+        info = {**machine_info(), "device": device.describe()}
         start = time.perf_counter()
-        sections = run_benchmarks(names, args.quick)
+        sections = run_benchmarks(names, args.quick, device)
     report = render(sections, info, " ".join(["python -m bench", *argv]), time.perf_counter() - start)
     if out is None:
         print(report)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .common import RANDOM_WEIGHTS, Section, Table, deep_flux_pipeline, middle_block, ms
+from .common import CPU, RANDOM_WEIGHTS, Device, Section, Table, deep_flux_pipeline, middle_block, ms
 from .latency import ARMS, COLUMNS, add_rows, image_scenario, measure, text_scenario, unit_seconds
 
 
@@ -34,24 +34,25 @@ FULL = Config(gpt2=(24, 512, 8), prompt_tokens=16, new_tokens=10, stop_token=5, 
               dit=(8, 16), dit_steps=6, dit_stop_step=3, reps=5)
 
 
-def _gpt2(c: Config, data: dict[str, Any]) -> Table:
+def _gpt2(c: Config, data: dict[str, Any], device: Device) -> Table:
     n_layer, n_embd, _ = c.gpt2
     table = Table(f"GPT-2 {n_layer}x{n_embd}: stop requested inside the forward of token {c.stop_token + 1}",
                   [col.format(unit="steps") for col in COLUMNS])
     for depth in c.depths:
-        s = text_scenario(c.gpt2, c.prompt_tokens, c.new_tokens, at_call=c.stop_token, block_fraction=depth)
+        s = text_scenario(c.gpt2, c.prompt_tokens, c.new_tokens, at_call=c.stop_token, block_fraction=depth,
+                          device=device)
         measure(s, c.reps)
         data[f"gpt2 {s.where}"] = add_rows(table, s, unit_seconds(s, first=False))
     return table
 
 
-def _dit(c: Config, data: dict[str, Any]) -> tuple[Table, str]:
-    pipe = deep_flux_pipeline(*c.dit)
+def _dit(c: Config, data: dict[str, Any], device: Device) -> tuple[Table, str]:
+    pipe = deep_flux_pipeline(*c.dit, device=device)
     n_blocks = sum(c.dit)
     trigger = middle_block(pipe.transformer) + ".attn"  # a single-stream block: its attention is mid-block
     s = image_scenario(
         f"Flux DiT, {n_blocks} blocks, 32x32", pipe, pipe.transformer, trigger,
-        c.dit_steps, c.dit_stop_step, height=32, width=32, max_sequence_length=32,
+        c.dit_steps, c.dit_stop_step, device, height=32, width=32, max_sequence_length=32,
     )
     measure(s, c.reps)
     table = Table(f"Flux-style DiT ({n_blocks} blocks): stop requested inside step {c.dit_stop_step + 1}"
@@ -60,12 +61,12 @@ def _dit(c: Config, data: dict[str, Any]) -> tuple[Table, str]:
     return table, s.where
 
 
-def run(quick: bool = False) -> Section:
+def run(quick: bool = False, device: Device = CPU) -> Section:
     c = QUICK if quick else FULL
     n_layer, n_embd, _ = c.gpt2
     data: dict[str, Any] = {}
-    gpt2_table = _gpt2(c, data)
-    dit_table, dit_where = _dit(c, data)
+    gpt2_table = _gpt2(c, data, device)
+    dit_table, dit_where = _dit(c, data, device)
     return Section(
         title="3. Per-block abort on deeper models",
         intro=(

@@ -3,6 +3,8 @@ moment, the models, and the machine description written at the top of RESULTS.md
 
 from __future__ import annotations
 
+import gc
+import math
 import os
 import platform
 import statistics
@@ -98,6 +100,56 @@ def machine_info() -> dict[str, str]:
     }
 
 
+# -- where the benchmarks run -------------------------------------------------------------------------
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Device:
+    """The torch device and dtype every model of a benchmark run is placed on (``--device``,
+    ``--dtype``); on CUDA every timed section is bracketed by ``torch.cuda.synchronize()``."""
+
+    name: str = "cpu"
+    dtype: str = "float32"
+
+    @classmethod
+    def checked(cls, name: str, dtype: str) -> Device:
+        """A usable device and dtype, or a ValueError naming the fix."""
+        if dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        if name.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device here (torch.cuda.is_available() is False)")
+        if not name.startswith(("cpu", "cuda")):
+            raise ValueError(f"--device takes cpu or cuda (cuda:N), got {name!r}")
+        if name == "cpu" and dtype == "float16":
+            raise ValueError("--dtype float16 needs --device cuda (CPU kernels lack it): use bfloat16")
+        return cls(name, dtype)
+
+    @property
+    def cuda(self) -> bool:
+        return self.name.startswith("cuda")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.name)
+
+    def place(self, thing: T) -> T:
+        """A model or pipeline moved to this device and dtype (in place for modules)."""
+        return thing.to(self.name, self.torch_dtype)  # type: ignore[attr-defined, no-any-return]
+
+    def describe(self) -> str:
+        if not self.cuda:
+            return f"CPU, {self.dtype}"
+        return f"{torch.cuda.get_device_name(self.name)} ({self.name}), {self.dtype}"
+
+
+CPU = Device()
+
+
 # -- timing ----------------------------------------------------------------------------------------
 def interleaved(arms: dict[str, Callable[[], T]], reps: int, warmup: int = 1) -> dict[str, list[T]]:
     """Call each arm ``reps`` times (after ``warmup`` discarded calls), interleaved.
@@ -117,10 +169,38 @@ def interleaved(arms: dict[str, Callable[[], T]], reps: int, warmup: int = 1) ->
     return results
 
 
-def timed(fn: Callable[[], object]) -> float:
+def timed(fn: Callable[[], object], device: Device = CPU) -> float:
+    device.sync()
     start = time.perf_counter()
     fn()
+    device.sync()
     return time.perf_counter() - start
+
+
+def clocked(fn: Callable[[], object], device: Device = CPU) -> tuple[float, float]:
+    """Wall-clock and CPU seconds of ``fn()`` on this thread (with one torch thread, all its work).
+
+    CPU time leaves out the time other processes held the core, so it stays steady on a busy machine.
+    """
+    device.sync()
+    wall, cpu = time.perf_counter(), time.thread_time()
+    fn()
+    device.sync()
+    return time.perf_counter() - wall, time.thread_time() - cpu
+
+
+def median_ci(values: list[float]) -> tuple[float, float]:
+    """A distribution-free 95% confidence interval of the median (order statistics)."""
+    ordered = sorted(values)
+    n = len(ordered)
+    half = 0.98 * math.sqrt(n)  # 1.96 * sqrt(n) / 2
+    lo, hi = max(0, math.floor(n / 2 - half) - 1), min(n - 1, math.ceil(n / 2 + half) - 1)
+    return ordered[lo], ordered[hi]
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[round(q * (len(ordered) - 1))]
 
 
 class Probe:
@@ -176,11 +256,14 @@ class StopTiming:
         return sum(t > self.stopped_at for t in self.probe.step_starts)
 
 
-def stop_from_thread(call: Callable[[], Any], stop: Callable[[], object], probe: Probe) -> StopTiming:
+def stop_from_thread(
+    call: Callable[[], Any], stop: Callable[[], object], probe: Probe, device: Device = CPU
+) -> StopTiming:
     """Run ``call()`` here; when ``probe`` fires, another thread calls ``stop()``.
 
-    The latency runs from just before ``stop()`` to the return of ``call()``. Raises if the run
-    ended before the trigger fired (the configuration is then too short to measure anything).
+    The latency runs from just before ``stop()`` to the return of ``call()`` (on CUDA, to the end
+    of the work it queued). Raises if the run ended before the trigger fired (the configuration is
+    then too short to measure anything).
     """
     stamp: list[float] = []
     done = threading.Event()
@@ -197,6 +280,7 @@ def stop_from_thread(call: Callable[[], Any], stop: Callable[[], object], probe:
         thread.start()
         try:
             result = call()
+            device.sync()
             end = time.perf_counter()
         finally:
             done.set()
@@ -209,30 +293,30 @@ def stop_from_thread(call: Callable[[], Any], stop: Callable[[], object], probe:
 
 # -- models ----------------------------------------------------------------------------------------
 @cache
-def text_model(n_layer: int = 2, n_embd: int = 64, n_head: int = 2) -> tuple[Any, Any]:
-    """A random-weight GPT-2 from :func:`tiny.text.build_text_model` and its tokenizer."""
+def text_model(n_layer: int = 2, n_embd: int = 64, n_head: int = 2, device: Device = CPU) -> tuple[Any, Any]:
+    """A random-weight GPT-2 from :func:`tiny.text.build_text_model` and its tokenizer, on ``device``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tiny.text import build_text_model
 
     with tempfile.TemporaryDirectory(prefix="stopcock-bench-") as folder:
         build_text_model(folder, n_layer=n_layer, n_embd=n_embd, n_head=n_head)
-        model = AutoModelForCausalLM.from_pretrained(folder).eval()
+        model = device.place(AutoModelForCausalLM.from_pretrained(folder).eval())
         tokenizer = AutoTokenizer.from_pretrained(folder)
     return model, tokenizer
 
 
-def prompt_ids(tokenizer: Any, n_tokens: int) -> torch.Tensor:
-    """A deterministic prompt of exactly ``n_tokens`` tokens (batch of one)."""
+def prompt_ids(tokenizer: Any, n_tokens: int, device: Device = CPU) -> torch.Tensor:
+    """A deterministic prompt of exactly ``n_tokens`` tokens (batch of one), on ``device``."""
     text = "The quick brown fox jumps over the lazy dog. Stop the pipeline when asked. "
     ids = tokenizer(text * (1 + n_tokens // 8), return_tensors="pt").input_ids[:, :n_tokens]
     if ids.shape[1] < n_tokens:
         raise ValueError(f"prompt text too short for {n_tokens} tokens")
-    return ids
+    return ids.to(device.name)
 
 
-def image_pipeline(scheduler: str = "ddim") -> Any:
-    """The tiny Stable Diffusion pipeline of :mod:`tiny.image` with the named scheduler."""
+def image_pipeline(scheduler: str = "ddim", device: Device = CPU) -> Any:
+    """The tiny Stable Diffusion pipeline of :mod:`tiny.image` with the named scheduler, on ``device``."""
     from diffusers import DDIMScheduler, DPMSolverMultistepScheduler, EulerDiscreteScheduler
 
     from tiny.image import stable_diffusion_pipeline
@@ -242,15 +326,16 @@ def image_pipeline(scheduler: str = "ddim") -> Any:
     if scheduler not in kinds:
         raise ValueError(f"scheduler must be one of {sorted(kinds)}, got {scheduler!r}")
     pipe.scheduler = kinds[scheduler].from_config(pipe.scheduler.config)
-    return pipe
+    return device.place(pipe)
 
 
-def deep_flux_pipeline(double_blocks: int = 8, single_blocks: int = 16) -> Any:
+def deep_flux_pipeline(double_blocks: int = 8, single_blocks: int = 16, device: Device = CPU) -> Any:
     """The tiny Flux pipeline of :mod:`tiny.image` with a deeper, wider transformer
     (random weights; 24 blocks and 128 channels by default): a DiT of realistic depth, CPU-sized."""
     from tiny.image import flux_pipeline
 
-    return flux_pipeline(num_layers=double_blocks, num_single_layers=single_blocks, num_attention_heads=8)
+    pipe = flux_pipeline(num_layers=double_blocks, num_single_layers=single_blocks, num_attention_heads=8)
+    return device.place(pipe)
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
@@ -295,3 +380,15 @@ def quiet() -> Iterator[None]:
             diffusers.utils.logging.set_verbosity(levels[1])
             if bars:
                 transformers.utils.logging.enable_progress_bar()
+
+
+@contextmanager
+def frozen_heap() -> Iterator[None]:
+    """The objects alive now (models, pipelines) moved out of the garbage collector's sight
+    (``gc.freeze``), so a collection costs every timed call alike, whatever arm triggers it."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

@@ -21,7 +21,9 @@ from torch import nn
 import stopcock
 
 from .common import (
+    CPU,
     RANDOM_WEIGHTS,
+    Device,
     Probe,
     Section,
     Table,
@@ -56,6 +58,7 @@ class Scenario:
     native_name: str
     native: Callable[[Scenario], ArmSetup]
     n_blocks: int = 0
+    device: Device = CPU
     results: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     def probe(self) -> Probe:
@@ -130,7 +133,7 @@ def measure(s: Scenario, reps: int) -> dict[str, list[dict[str, Any]]]:
         k = r % len(names)
         for name in names[k:] + names[:k]:
             call, stop, steps_of = setups[name]()
-            timing = stop_from_thread(call, stop, s.probe())
+            timing = stop_from_thread(call, stop, s.probe(), s.device)
             s.results[name].append(
                 {
                     "latency": timing.latency,
@@ -197,7 +200,7 @@ FULL = Config(image_steps=20, image_stop_step=10, text_model=(12, 384, 6), promp
 
 
 def image_scenario(label: str, pipe: Any, denoiser: nn.Module, trigger: str, steps: int, stop_step: int,
-                   **options: Any) -> Scenario:
+                   device: Device = CPU, **options: Any) -> Scenario:
     """A pipeline stopped just before ``denoiser``'s submodule ``trigger`` (name it inside a block,
     so the stop lands mid-block) during step ``stop_step + 1``; ``options`` go to every call."""
 
@@ -218,15 +221,16 @@ def image_scenario(label: str, pipe: Any, denoiser: nn.Module, trigger: str, ste
         native_name="native `_interrupt` callback",
         native=interrupt_arm,
         n_blocks=len(blocks(denoiser)),
+        device=device,
     )
 
 
 def text_scenario(model_shape: tuple[int, int, int], prompt: int, new_tokens: int, at_call: int,
-                  block_fraction: float, label: str | None = None) -> Scenario:
+                  block_fraction: float, label: str | None = None, device: Device = CPU) -> Scenario:
     """Generation stopped before the MLP of a block (after its attention: mid-block), the block at
     ``block_fraction`` of the depth from the first (0) to the last (1), during forward number
     ``at_call`` (0 is the prefill). The label defaults to where the stop lands."""
-    model, tokenizer = text_model(*model_shape)
+    model, tokenizer = text_model(*model_shape, device=device)
     layers = blocks(model)
     index = round(block_fraction * (len(layers) - 1))
     where = f"the MLP of block {index + 1} of {len(layers)}"
@@ -234,7 +238,7 @@ def text_scenario(model_shape: tuple[int, int, int], prompt: int, new_tokens: in
         label=label or f"before {where}",
         target=model,
         call=model.generate,
-        args=(prompt_ids(tokenizer, prompt),),
+        args=(prompt_ids(tokenizer, prompt, device),),
         kwargs=lambda: {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False},
         total=new_tokens,
         clock=model,
@@ -244,21 +248,22 @@ def text_scenario(model_shape: tuple[int, int, int], prompt: int, new_tokens: in
         native_name="native `StoppingCriteria`",
         native=criterion_arm,
         n_blocks=len(layers),
+        device=device,
     )
 
 
-def run(quick: bool = False) -> Section:
+def run(quick: bool = False, device: Device = CPU) -> Section:
     c = QUICK if quick else FULL
-    pipe = image_pipeline()
+    pipe = image_pipeline(device=device)
     image = image_scenario(  # the cross-attention of the UNet's mid block: the middle of its forward
         f"tiny SD 64x64, DDIM, {c.image_steps} steps", pipe, pipe.unet,
         "mid_block.attentions.0.transformer_blocks.0.attn2",
-        c.image_steps, c.image_stop_step,
+        c.image_steps, c.image_stop_step, device,
     )
     n_layer, n_embd, _ = c.text_model
     prefill = text_scenario(
         c.text_model, c.prompt_tokens, new_tokens=8, at_call=0, block_fraction=0.5,
-        label=f"GPT-2 {n_layer}x{n_embd}, {c.prompt_tokens}-token prompt, stop mid-prefill",
+        label=f"GPT-2 {n_layer}x{n_embd}, {c.prompt_tokens}-token prompt, stop mid-prefill", device=device,
     )
     measure(image, c.reps)
     measure(prefill, c.reps)

@@ -12,6 +12,12 @@ running or queued, that every job ended in a final state with the right reason, 
 stopped job ran at most one step after its stop, and that no worker thread leaked. Exit status 1
 if a check fails.
 
+A second case serves an image model with a slow step (a :class:`tiny.slow.SlowLayer` that keeps
+every denoiser call busy for ``--block`` seconds) and a stop grace of ``--grace`` seconds: a stop
+that lands during a step escalates to abort once the grace has passed, so its latency is at most
+the grace plus one block (the module call in flight), and the job still returns the partial image
+of the last finished step. It checks both.
+
 ``run(quick)`` returns a :class:`bench.common.Section`, so it can join ``python -m bench``.
 """
 
@@ -146,8 +152,86 @@ def _pct(values: list[float], q: float) -> str:
     return f"{ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]:.1f}"
 
 
+@dataclass
+class SlowStop:
+    """One stop of a job held in a slow step."""
+
+    ack_ms: float
+    view: dict[str, Any]
+    image: bool
+
+
+async def _slow_jobs(url: str, jobs: int) -> list[SlowStop]:
+    """Each job: wait for its first step, then stop it during the next (slow) one."""
+    found = []
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        for i in range(jobs):
+            body = {"kind": "image", "prompt": "a red square", "parameters": {"steps": 50, "seed": i,
+                                                                              "previews": False}}
+            job = (await client.post("/v1/jobs", json=body)).json()["id"]
+            async with client.stream("GET", f"/v1/jobs/{job}/events") as events:
+                async for event in _sse(events):
+                    if event["type"] == "progress":  # the next step has begun: its denoiser call is slow
+                        break
+            start = time.perf_counter()
+            view = (await client.post(f"/v1/jobs/{job}/stop")).json()
+            ack_ms = (time.perf_counter() - start) * 1000
+            result = (await client.get(f"/v1/jobs/{job}/result")).json()["result"]
+            found.append(SlowStop(ack_ms, view, bool(result and result.get("image"))))
+    return found
+
+
+def slow_step(jobs: int, grace: float, block: float) -> tuple[Table, list[str], dict[str, Any]]:
+    """Stop ``jobs`` image jobs during a step whose denoiser call takes ``block`` seconds, on a
+    server with a stop grace of ``grace`` seconds; the table row, the problems found, the numbers."""
+    from diffusers import DiffusionPipeline
+
+    from stopcock.server.backends import ImageBackend
+    from tiny.image import build_image_model
+    from tiny.slow import SlowLayer, slow_down
+
+    with tempfile.TemporaryDirectory() as folder:
+        pipe = DiffusionPipeline.from_pretrained(build_image_model(Path(folder) / "image"))
+    pipe.set_progress_bar_config(disable=True)
+    slow_down(pipe.unet, "mid_block.resnets.0.conv1", SlowLayer(seconds=block))
+    with serving({"image": ImageBackend(pipe, "slow-sd")}, stop_grace=grace) as (url, _):
+        stops = asyncio.run(_slow_jobs(url, jobs))
+    bound = grace + block
+    problems = []
+    latency = [s.view["outcome"]["stop_latency"] for s in stops]
+    for s, seconds in zip(stops, latency, strict=True):
+        outcome = s.view["outcome"]
+        escalated = outcome["mode"] == "abort" and "escalated" in (outcome["detail"] or "")
+        if s.view["state"] != "stopped" or not escalated:
+            problems.append(f"slow job {s.view['id']} did not escalate: {s.view['state']}, {outcome}")
+        elif seconds > bound:
+            problems.append(f"slow job {s.view['id']} took {seconds:.3f} s to stop, over grace + one block")
+        if not s.image:
+            problems.append(f"slow job {s.view['id']} returned no partial image")
+    table = Table(
+        f"A stop during a slow step: grace {grace:g} s, one block (the slow denoiser layer) {block:g} s",
+        ["jobs", "escalated", "steps after the stop", "run's stop_latency ms, p50 / p99",
+         "bound: grace + one block, ms", "stop request to answer ms (partial image decoded), p50 / p99"],
+    )
+    after = [float(s.view["step"] - s.view["stop_step"]) for s in stops if s.view["stop_step"] is not None]
+    latency_ms, ack_ms = [x * 1000 for x in latency], [s.ack_ms for s in stops]
+    table.add(
+        len(stops), sum(s.view["outcome"]["mode"] == "abort" for s in stops),
+        f"{_pct(after, 0.5)} / {_pct(after, 0.99)}", f"{_pct(latency_ms, 0.5)} / {_pct(latency_ms, 0.99)}",
+        f"{bound * 1000:.0f}", f"{_pct(ack_ms, 0.5)} / {_pct(ack_ms, 0.99)}",
+    )
+    return table, problems, {"latency_s": latency, "bound_s": bound}
+
+
 def run(
-    quick: bool = False, *, clients: int = 8, requests: int = 6, concurrency: int = 2, seed: int = 0
+    quick: bool = False,
+    *,
+    clients: int = 8,
+    requests: int = 6,
+    concurrency: int = 2,
+    seed: int = 0,
+    grace: float = 0.5,
+    block: float = 1.0,
 ) -> Section:
     import torch
 
@@ -234,10 +318,13 @@ def run(
             measure,
             f"{_pct(core, 0.5)} / {_pct(core, 0.99)}",
         )
+    slow_jobs = 1 if quick else 5
+    slow_table, slow_problems, slow = slow_step(slow_jobs, grace, block)
+    problems += slow_problems
     finished = sum(r.view.get("state") == "completed" for r in records)
     checks = "all checks passed" if not problems else "FAILED: " + "; ".join(problems)
     options = "--quick" if quick else f"--clients {clients} --requests {requests} --concurrency {concurrency}"
-    options += f" --seed {seed}"
+    options += f" --seed {seed} --grace {grace:g} --block {block:g}"
     section = Section(
         title="Server under load",
         intro=f"`python -m bench.load_server {options}`: {clients} concurrent streaming"
@@ -246,13 +333,17 @@ def run(
         " step its run had reached when the stop arrived (`step - stop_step`: 1 for the step in flight)."
         " The run's stop_latency is stopcock's own (stop signal to the run's return)."
         " Clients and server share one Python process (and its GIL), so the ms include contention.",
-        tables=[table],
+        tables=[table, slow_table],
         notes=[
             f"{len(records)} jobs ({finished} ran to completion). Checks: no job left running or queued,"
             f" every job in a final state with the expected reason, at most one step after a stop, no"
-            f" worker thread left: {checks}."
+            f" worker thread left, every stop during a slow step escalated within grace + one block and"
+            f" returned a partial image: {checks}.",
+            f"The slow step: {slow_jobs} image job(s) on a server of their own, each stopped just after a"
+            " step began (the first progress event); the run's stop_latency is from the stop request to"
+            " the pipeline's return, the answer adds the VAE decode of the last finished step's latents.",
         ],
-        data={"problems": problems, "records": len(records)},
+        data={"problems": problems, "records": len(records), "slow": slow},
     )
     section.headline = [f"server under load: {table.rows[0][3]} steps after a stop (p50 / p99), {checks}"]
     return section
@@ -264,10 +355,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=6, help="requests per client")
     parser.add_argument("--concurrency", type=int, default=2, help="jobs running at once on the server")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="3 clients x 2 requests")
+    parser.add_argument("--grace", type=float, default=0.5, help="the slow-step server's stop grace, s")
+    parser.add_argument("--block", type=float, default=1.0, help="seconds of the slow denoiser layer")
+    parser.add_argument("--quick", action="store_true", help="3 clients x 2 requests, one slow job")
     args = parser.parse_args(argv)
     section = run(
-        args.quick, clients=args.clients, requests=args.requests, concurrency=args.concurrency, seed=args.seed
+        args.quick, clients=args.clients, requests=args.requests, concurrency=args.concurrency,
+        seed=args.seed, grace=args.grace, block=args.block,
     )
     print(section.markdown())
     return 1 if section.data["problems"] else 0

@@ -1,205 +1,410 @@
 """1. Overhead: throughput of ``stopcock.run(..., stop=StopSignal())`` vs the plain call, same model.
 
-A stop signal that never fires costs one condition check per step (and, in abort mode, one check
-per block). The arms are interleaved in rotating order; the ratio is the median of the per-round
-ratios to the plain call, so drift in machine load cancels.
+A stop that is never requested should cost nothing: a run adds one flag read per step (the
+criterion or the wrapped ``scheduler.step`` take their fast path) and, in abort mode, nothing per
+module call (the in-forward checks are armed only when a stop becomes possible). Each table runs
+five arms interleaved in rotating order: the plain call, the plain call again (the A/A arm: its
+ratio to the first is pure noise), the library's native way to stop (a flag-reading
+``StoppingCriteria``, a ``callback_on_step_end`` setting the interrupt flag), and ``run`` in
+finish and abort mode. Rounds are added until the A/A ratio's 95% confidence interval is narrower
+than the target (or a round limit is reached: the table then says it did not resolve it). The
+direct per-call timings, beside the libraries' own criterion and callback, are the stable figure.
 """
 
 from __future__ import annotations
 
-import functools
+import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import pipeline
+from transformers import MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList, pipeline
 
 import stopcock
+from stopcock.control import RunControl
+from stopcock.hooks import Tripwire
 
 from .common import (
+    CPU,
     RANDOM_WEIGHTS,
+    Device,
     Section,
     Table,
-    blocks,
+    clocked,
+    frozen_heap,
     image_pipeline,
     interleaved,
     median,
+    median_ci,
     prompt_ids,
+    quantile,
     text_model,
     timed,
 )
 
-
-@dataclass(frozen=True)
-class Config:
-    text_models: tuple[tuple[int, int, int], ...]  # (n_layer, n_embd, n_head)
-    new_tokens: int
-    image_steps: int
-    reps: int
-    check_calls: int
-
-
-QUICK = Config(text_models=((2, 64, 2),), new_tokens=8, image_steps=3, reps=2, check_calls=200)
-FULL = Config(
-    text_models=((2, 64, 2), (12, 384, 6)), new_tokens=64, image_steps=20, reps=15, check_calls=5000
+PLAIN, AA, NATIVE, FINISH, ABORT = (
+    "plain call",
+    "plain call again (A/A)",
+    "native stop",
+    "`run`, mode=finish",
+    "`run`, mode=abort",
 )
 
 
-def per_call(fn: Callable[[], object], calls: int) -> float:
+@dataclass(frozen=True)
+class Rounds:
+    least: int
+    most: int
+    budget_s: float  # a table stops adding rounds after this long
+
+
+@dataclass(frozen=True)
+class TextCase:
+    shape: tuple[int, int, int]  # (n_layer, n_embd, n_head)
+    new_tokens: int
+    target: float  # the throughput ratio to reach
+    pipeline: bool = False  # also a text-generation pipeline arm set (a fixed cost per call shows there)
+
+
+@dataclass(frozen=True)
+class Config:
+    text: tuple[TextCase, ...]
+    image_steps: int
+    image_target: float
+    rounds: Rounds
+    check_calls: int
+
+
+QUICK = Config(
+    text=(TextCase((2, 64, 2), 8, 0.995, pipeline=True),),
+    image_steps=3,
+    image_target=0.995,
+    rounds=Rounds(least=2, most=2, budget_s=0),
+    check_calls=200,
+)
+FULL = Config(
+    text=(TextCase((2, 64, 2), 64, 0.995, pipeline=True), TextCase((12, 384, 6), 32, 0.999)),
+    image_steps=20,
+    image_target=0.995,
+    rounds=Rounds(least=40, most=300, budget_s=150),
+    check_calls=20000,
+)
+
+Arms = dict[str, Callable[[], tuple[float, float]]]  # name -> one timed call: (wall, CPU) seconds
+
+
+class _Flag(StoppingCriteria):
+    """transformers' documented way to stop from outside: a criterion reading a flag per token."""
+
+    def __init__(self) -> None:
+        self.flag = threading.Event()
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        rows = input_ids.shape[0]
+        return torch.full((rows,), self.flag.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+def _interrupt_callback() -> Callable[..., dict[str, Any]]:
+    """diffusers' documented way: a ``callback_on_step_end`` that sets ``pipe._interrupt`` once asked."""
+    flag = threading.Event()
+
+    def on_step_end(pipe: Any, i: int, t: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+        if flag.is_set():
+            pipe._interrupt = True
+        return tensors
+
+    return on_step_end
+
+
+def _arms(plain: Callable[..., Any], target: Any, args: tuple[Any, ...], kwargs: Callable[[], dict[str, Any]],
+          native: Callable[[], dict[str, Any]], device: Device) -> Arms:
+    """The five arms of a table; ``kwargs`` and ``native`` (the native stop's own arguments) are
+    called afresh for every call (e.g. a new seeded generator)."""
+
+    def with_stopcock(mode: str) -> tuple[float, float]:
+        signal = stopcock.StopSignal()
+        return clocked(lambda: stopcock.run(target, *args, stop=signal, mode=mode, **kwargs()), device)
+
+    return {
+        PLAIN: lambda: clocked(lambda: plain(*args, **kwargs()), device),
+        AA: lambda: clocked(lambda: plain(*args, **kwargs()), device),
+        NATIVE: lambda: clocked(lambda: plain(*args, **kwargs(), **native()), device),
+        FINISH: lambda: with_stopcock("finish"),
+        ABORT: lambda: with_stopcock("abort"),
+    }
+
+
+def _measure(arms: Arms, target: float, rounds: Rounds) -> dict[str, list[tuple[float, float]]]:
+    """Interleaved rounds until the A/A CPU-time ratio's 95% CI is narrower than ``1 - target``
+    (at least ``rounds.least``, at most ``rounds.most`` rounds or ``rounds.budget_s`` seconds)."""
+    batch = 2 * len(arms)  # each arm in each position of the rotation, twice
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in arms}
+    interleaved(arms, 0, warmup=1)
+    started = time.monotonic()
+    with frozen_heap():
+        while True:
+            for name, values in interleaved(arms, min(batch, rounds.most), warmup=0).items():
+                times[name] += values
+            n = len(times[PLAIN])
+            lo, hi = median_ci(_ratios(times, AA, cpu=True))
+            enough = hi - lo <= 1 - target or time.monotonic() - started > rounds.budget_s
+            if n >= rounds.most or (n >= rounds.least and enough):
+                return times
+
+
+def _ratios(times: dict[str, list[tuple[float, float]]], arm: str, *, cpu: bool) -> list[float]:
+    """Per round: the arm's throughput over the plain call's (its time divided into the plain's)."""
+    k = 1 if cpu else 0
+    return [p[k] / a[k] for p, a in zip(times[PLAIN], times[arm], strict=True)]
+
+
+@dataclass
+class Resolution:
+    """How well a table resolved its target: its rounds and the width of the A/A ratio's 95% CI."""
+
+    target: float
+    rounds: int
+    aa_width: float
+
+    @property
+    def resolved(self) -> bool:
+        return self.aa_width <= 1 - self.target
+
+
+def compare(
+    table: Table, label: str, steps: int, arms: Arms, target: float, rounds: Rounds
+) -> tuple[dict[str, Any], Resolution]:
+    """Time the arms, add one row per arm; the numbers per arm, and the table's resolution."""
+    times = _measure(arms, target, rounds)
+    out: dict[str, Any] = {}
+    for name, values in times.items():
+        wall, cpu = _ratios(times, name, cpu=False), _ratios(times, name, cpu=True)
+        found = {
+            "ratio": median(wall), "ci": median_ci(wall), "cpu_ratio": median(cpu), "cpu_ci": median_ci(cpu),
+            "seconds": median([v[0] for v in values]),
+        }
+        out[name] = found
+        table.add(
+            label, name, f"{steps / found['seconds']:.1f}",
+            f"{found['ratio']:.4f} [{found['ci'][0]:.4f}, {found['ci'][1]:.4f}]",
+            f"{found['cpu_ratio']:.4f} [{found['cpu_ci'][0]:.4f}, {found['cpu_ci'][1]:.4f}]",
+            f"{quantile(cpu, 0.25):.3f} to {quantile(cpu, 0.75):.3f}",
+        )
+    lo, hi = out[AA]["cpu_ci"]
+    return out, Resolution(target, len(times[PLAIN]), hi - lo)
+
+
+# -- the direct per-call timings ------------------------------------------------------------------------
+def per_call(fn: Callable[[], object], calls: int, device: Device = CPU) -> float:
     """Seconds per call of ``fn``: the best of 5 batches (noise only ever adds time)."""
-    return min(timed(lambda: [fn() for _ in range(calls)]) for _ in range(5)) / calls
+    return min(timed(lambda: [fn() for _ in range(calls)], device) for _ in range(5)) / calls
 
 
-def check_costs(table: Table, calls: int) -> dict[str, float]:
-    """What a run adds per step and per block, timed in isolation on this machine."""
-    from stopcock.control import RunControl
-    from stopcock.hooks import pre_hooks
-
-    ids = torch.zeros((1, 32), dtype=torch.long)
-    criteria = stopcock.stopping_criteria(stopcock.StopSignal())
-    block, x = torch.nn.Identity(), torch.zeros(1)
-    costs: dict[str, float] = {}
-    with RunControl(stopcock.StopSignal() | stopcock.timeout(3600)) as control:
-        costs["step"] = per_call(control.step, calls)
-        costs["criterion"] = per_call(lambda: criteria(ids, None), calls)
-        bare = per_call(lambda: block(x), calls)
-        with pre_hooks([block], lambda _m: control.poll()):
-            costs["block_hook"] = per_call(lambda: block(x), calls) - bare
+def check_costs(table: Table, calls: int, device: Device) -> dict[str, float]:
+    """What a run adds per token, per module call and per denoising step, beside what the
+    libraries' own mechanisms cost, each timed in isolation on this machine."""
+    ids = torch.zeros((1, 32), dtype=torch.long, device=device.name)
+    max_length = MaxLengthCriteria(max_length=10**9)
+    ours = stopcock.stopping_criteria(stopcock.StopSignal())[0]  # the criterion class a run adds
+    full = stopcock.stopping_criteria(stopcock.when(lambda state: False))[0]  # a check at every token
+    costs: dict[str, float] = {
+        "max_length": per_call(lambda: max_length(ids, None), calls, device),
+        "criterion": per_call(lambda: ours(ids, None), calls, device),
+        "criterion_full": per_call(lambda: full(ids, None), calls, device),
+    }
+    alone, both = StoppingCriteriaList([max_length]), StoppingCriteriaList([max_length, ours])
+    costs["in_list"] = per_call(lambda: both(ids, None), calls, device) - per_call(
+        lambda: alone(ids, None), calls, device
+    )
+    block = device.place(torch.nn.Linear(8, 8))
+    x = torch.zeros(1, 8, device=device.name, dtype=device.torch_dtype)
+    with torch.no_grad():
+        bare = per_call(lambda: block(x), calls, device)
+        with RunControl(stopcock.StopSignal(), mode="abort") as control, control.intercept([block]):
+            costs["module_unarmed"] = per_call(lambda: block(x), calls, device) - bare
+        # armed, with a timeout not yet expired: what the last ARM_AHEAD seconds before it cost
+        with RunControl(stopcock.timeout(3600), mode="abort") as control:
+            with Tripwire([block], lambda _m: control.poll()) as wire:
+                wire.arm()
+                costs["module_armed"] = per_call(lambda: block(x), calls, device) - bare
+    costs.update(_step_costs(calls // 10, device))
+    costs["block_hook"] = costs["module_unarmed"]  # what abort mode adds per block before a stop
     rows = [
-        ("`RunControl.step`: one step boundary (a signal and a timeout)", "step", "every step, every target"),
-        ("`stopcock.stopping_criteria(signal)`, called as generate calls it", "criterion",
+        ("`MaxLengthCriteria.__call__` (transformers' own, the anchor)", "max_length",
+         "every token, every generate call"),
+        ("stopcock's criterion `__call__`, nothing can fire (finish and abort)", "criterion",
          "every token (`run` on generate and text pipelines)"),
-        ("a forward pre-hook that polls (abort mode)", "block_hook", "each block of each forward, abort"),
+        ("stopcock's criterion `__call__`, full check (`when()` sees every step)", "criterion_full",
+         "every token, only when a condition must see each step"),
+        ("stopcock's criterion in generate's `StoppingCriteriaList` (its call and the list's OR)",
+         "in_list", "every token"),
+        ("a module call in abort mode before any stop is possible (nothing installed)", "module_unarmed",
+         "each module call of each forward, abort"),
+        ("a module call once armed (a stop is possible)", "module_armed",
+         "each module call, from a stop request (or the last 50 ms before a timeout) to the abort"),
+        ("diffusers' `callback_on_step_end` as the pipeline runs it, reading a flag (the anchor)",
+         "native_step", "every denoising step, native interrupt"),
+        ("stopcock's wrapped `scheduler.step`, nothing can fire (finish and abort)", "step",
+         "every denoising step"),
     ]
     for what, key, paid in rows:
-        table.add(what, f"{costs[key] * 1e6:.1f}", paid)
+        table.add(what, f"{costs[key] * 1e6:.2f}", paid)
     return costs
 
 
-Arms = dict[str, Callable[[], tuple[float, float]]]  # name -> a call timed: (wall, CPU) seconds
+def _step_costs(calls: int, device: Device) -> dict[str, float]:
+    """Per denoising step: stopcock's wrapped ``scheduler.step`` over the bare one (DDIM on the tiny
+    SD latents), and what diffusers itself runs per step for a ``callback_on_step_end``."""
+    pipe = image_pipeline(device=device)
+    scheduler = pipe.scheduler
+    scheduler.set_timesteps(20)
+    g = torch.Generator().manual_seed(0)
+    latents, noise = (torch.randn(1, 4, 8, 8, generator=g).to(device.name, device.torch_dtype) for _ in "ab")
+    t = scheduler.timesteps[5]
+    bare = per_call(lambda: scheduler.step(noise, t, latents), calls, device)
+    with stopcock.attach(pipe, stopcock.StopSignal()):
+        wrapped = per_call(lambda: scheduler.step(noise, t, latents), calls, device)
+    callback, inputs = _interrupt_callback(), ["latents"]
+
+    def native_step(i: int = 5) -> Any:  # the lines of StableDiffusionPipeline.__call__'s loop
+        callback_kwargs = {}
+        for k in inputs:
+            callback_kwargs[k] = {"latents": latents}[k]
+        outputs = callback(pipe, i, t, callback_kwargs)
+        return outputs.pop("latents", latents)
+
+    return {"step": wrapped - bare, "native_step": per_call(native_step, calls, device)}
 
 
-def clocked(fn: Callable[[], object]) -> tuple[float, float]:
-    """Wall-clock and CPU seconds of ``fn()`` on this thread (with one torch thread, all its work).
-
-    CPU time leaves out the time other processes held the core, so it stays steady on a busy machine.
-    """
-    wall, cpu = time.perf_counter(), time.thread_time()
-    fn()
-    return time.perf_counter() - wall, time.thread_time() - cpu
-
-
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[round(q * (len(ordered) - 1))]
+# -- host-device synchronisations (CUDA) ----------------------------------------------------------------
+def count_syncs(fn: Callable[[], object]) -> int:
+    """How many synchronising CUDA operations ``fn()`` makes (torch's sync debug mode)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
-def compare(table: Table, label: str, steps: int, timers: Arms, reps: int) -> dict:
-    """Time the arms (the first is the plain call), add one row per arm, return the raw numbers."""
-    times = interleaved(timers, reps)
-    plain = times[next(iter(times))]
+def sync_rows(table: Table, label: str, steps: int, arms: Callable[[int], Arms]) -> dict[str, Any]:
+    """Syncs per call of each arm at ``steps`` and ``2 * steps`` steps; what stopcock adds per step
+    is the growth of its excess over the plain call (a per-call constant cancels)."""
+    short, long = arms(steps), arms(2 * steps)
+    counts = {name: (count_syncs(short[name]), count_syncs(long[name])) for name in short if name != AA}
+    plain = counts[PLAIN]
     out: dict[str, Any] = {}
-    for name, values in times.items():
-        # throughput ratios per round, from wall-clock and from CPU time
-        ratios = [p[0] / v[0] for p, v in zip(plain, values, strict=True)]
-        cpu_ratios = [p[1] / v[1] for p, v in zip(plain, values, strict=True)]
-        seconds = median([v[0] for v in values])
-        out[name] = {"ratio": median(ratios), "cpu_ratio": median(cpu_ratios), "seconds": seconds}
-        table.add(
-            label,
-            name,
-            f"{steps / seconds:.1f}",
-            f"{median(ratios):.3f}",
-            f"{_quantile(ratios, 0.25):.3f} to {_quantile(ratios, 0.75):.3f}",
-            f"{median(cpu_ratios):.3f}",
-        )
+    for name, (a, b) in counts.items():
+        per_step = ((b - plain[1]) - (a - plain[0])) / steps
+        out[name] = {"syncs": a, "per_step": per_step}
+        table.add(label, name, a, b, "" if name == PLAIN else f"{per_step:+.2f}")
     return out
 
 
-def arms(name: str, plain: Callable[..., Any], target: Any, args: tuple[Any, ...],
-         kwargs: Callable[[], dict[str, Any]]) -> Arms:
-    """The plain call and ``stopcock.run`` in both modes with a signal that never fires, each timed.
-
-    ``kwargs`` is called afresh for every call (e.g. a new seeded generator).
-    """
-    def with_stopcock(mode: str) -> tuple[float, float]:
-        return clocked(lambda: stopcock.run(target, *args, stop=stopcock.StopSignal(), mode=mode, **kwargs()))
-
-    found: Arms = {f"plain `{name}`": lambda: clocked(lambda: plain(*args, **kwargs()))}
-    for mode in ("finish", "abort"):
-        found[f"`run`, mode={mode}"] = functools.partial(with_stopcock, mode)
-    return found
-
-
-def run(quick: bool = False) -> Section:
+# -- the benchmark -----------------------------------------------------------------------------------------
+def run(quick: bool = False, device: Device = CPU) -> Section:
     config = QUICK if quick else FULL
-    columns = ["model", "call", "{unit}/s (median)", "ratio to plain", "middle half", "CPU-time ratio"]
+    columns = ["model", "call", "{unit}/s (median)", "throughput ratio to plain, wall [95% CI]",
+               "CPU-time ratio [95% CI]", "middle half of the rounds (CPU)"]
     text = Table("Text generation: tokens/s, greedy, batch 1", [c.format(unit="tokens") for c in columns])
     image = Table("Denoising: steps/s of the whole call", [c.format(unit="steps") for c in columns])
-    data: dict[str, Any] = {"text": {}, "image": {}, "implied": {}}
-    n = config.new_tokens
-    checks = Table("Cost of one check, timed directly (best of 5 batches)", ["check", "µs per call", "paid"])
-    costs = data["checks"] = check_costs(checks, config.check_calls)
+    checks = Table("Cost of one call, timed directly (best of 5 batches)", ["what", "µs per call", "paid"])
+    syncs = Table(
+        "Host-device synchronisations (CUDA sync debug mode): per call at n and 2n steps",
+        ["model", "call", "syncs, n steps", "syncs, 2n steps", "added by stopcock per step"],
+    )
+    data: dict[str, Any] = {"text": {}, "image": {}, "implied": {}, "syncs": {}, "resolution": {}}
+    costs = data["costs"] = check_costs(checks, config.check_calls, device)
+    data["checks"] = {key: costs[key] for key in ("step", "criterion", "block_hook")}
     implied = Table(
         "Per-token overhead implied by the direct timings (generate)",
-        ["model", "plain ms per token", "hooked blocks", "finish: criterion", "abort: criterion + hooks"],
+        ["model", "plain ms per token", "stopcock per token, before a stop (finish and abort)", "share"],
     )
+    for case in config.text:
+        model, tokenizer = text_model(*case.shape, device=device)
+        ids = prompt_ids(tokenizer, 16, device)
+        label = f"GPT-2 {case.shape[0]}x{case.shape[1]}"
 
-    def generate_kwargs() -> dict[str, Any]:
-        return {"max_new_tokens": n, "min_new_tokens": n, "do_sample": False}
+        def gen_kwargs(n: int = case.new_tokens) -> dict[str, Any]:
+            return {"max_new_tokens": n, "min_new_tokens": n, "do_sample": False}
 
-    for i, (n_layer, n_embd, n_head) in enumerate(config.text_models):
-        model, tokenizer = text_model(n_layer, n_embd, n_head)
-        ids = prompt_ids(tokenizer, 16)
-        label = f"GPT-2 {n_layer}x{n_embd}"
-        found = arms("model.generate", model.generate, model, (ids,), generate_kwargs)
-        data["text"][label] = compare(text, label, n, found, config.reps)
-        per_token = data["text"][label][next(iter(found))]["seconds"] / n
-        hooked = len(blocks(model)) + 1  # abort mode hooks the blocks and the model itself
-        finish = costs["criterion"] / per_token
-        abort = (costs["criterion"] + hooked * costs["block_hook"]) / per_token
-        data["implied"][label] = {"finish": finish, "abort": abort}
-        implied.add(label, f"{per_token * 1e3:.2f}", hooked, f"{finish:.2%}", f"{abort:.2%}")
-        if i == 0:  # the pipeline adds a fixed cost per call, not per step: the smallest model shows it
+        def native() -> dict[str, Any]:
+            return {"stopping_criteria": StoppingCriteriaList([_Flag()])}
+
+        def model_arms(n: int, model: Any = model, ids: Any = ids) -> Arms:
+            return _arms(model.generate, model, (ids,), lambda: gen_kwargs(n), native, device)
+
+        data["text"][label], data["resolution"][label] = compare(
+            text, label, case.new_tokens, model_arms(case.new_tokens), case.target, config.rounds
+        )
+        per_token = data["text"][label][PLAIN]["seconds"] / case.new_tokens
+        share = (costs["in_list"] + costs["module_unarmed"]) / per_token
+        data["implied"][label] = {"finish": costs["in_list"] / per_token, "abort": share}
+        implied.add(label, f"{per_token * 1e3:.3f}", f"{costs['in_list'] * 1e6:.2f} µs", f"{share:.3%}")
+        if device.cuda:
+            data["syncs"][label] = sync_rows(syncs, label, 8, model_arms)
+        if case.pipeline:
             pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
-            label += ", text-generation pipeline"
-            found = arms("pipe(...)", pipe, pipe, (tokenizer.decode(ids[0]),), generate_kwargs)
-            data["text"][label] = compare(text, label, n, found, config.reps)
+            plabel = label + ", text-generation pipeline"
+            found = _arms(pipe, pipe, (tokenizer.decode(ids[0]),), gen_kwargs, native, device)
+            data["text"][plabel], data["resolution"][plabel] = compare(
+                text, plabel, case.new_tokens, found, case.target, config.rounds
+            )
 
-    def image_kwargs() -> dict[str, Any]:
-        return {"num_inference_steps": config.image_steps, "generator": torch.Generator().manual_seed(0)}
+    sd = image_pipeline(device=device)
 
-    pipe = image_pipeline()
+    def image_arms(steps: int) -> Arms:
+        def kwargs() -> dict[str, Any]:
+            return {"num_inference_steps": steps, "generator": torch.Generator().manual_seed(0)}
+
+        return _arms(sd, sd, ("a red fox",), kwargs, lambda: {"callback_on_step_end": _interrupt_callback()},
+                     device)
+
     label = "tiny SD 64x64, DDIM"
-    found = arms("pipe(...)", pipe, pipe, ("a red fox",), image_kwargs)
-    data["image"][label] = compare(image, label, config.image_steps, found, config.reps)
+    data["image"][label], data["resolution"][label] = compare(
+        image, label, config.image_steps, image_arms(config.image_steps), config.image_target, config.rounds
+    )
+    if device.cuda:
+        data["syncs"][label] = sync_rows(syncs, label, 4, image_arms)
     return Section(
-        title="1. Overhead of a stop signal that never fires",
+        title="1. Overhead of a stop that is never requested",
         intro=(
-            f"Same model, same inputs, {config.reps} interleaved rounds per arm (rotating order) after"
-            f" a warm-up. Text: {config.new_tokens} new tokens from a 16-token prompt. Images:"
-            f" {config.image_steps} steps, whole call (text encoding and VAE decode included)."
-            " *Ratio* is the throughput of the arm divided by the plain call's in the same round"
-            " (median; >1 is faster; *middle half*: the 25th to 75th percentile of the per-round"
-            " ratios). The *CPU-time ratio* is the same from the CPU time of the calling thread (with"
-            " one torch thread it does all the work), which leaves out the time other processes held"
-            " the core. The target is a ratio within 1% of 1; on a shared machine the rounds scatter by"
-            " more than that (see the middle half), so the last two tables time the checks a run adds"
-            " directly and divide them by the model's own step time."
+            f"On {device.describe()}. Same model, same inputs; five arms interleaved in rotating order"
+            " after a warm-up: the plain call, the plain call again (A/A: its ratio to the first is the"
+            " noise of the table), the library's native stop (transformers: a `StoppingCriteria` reading"
+            " a flag; diffusers: a `callback_on_step_end` setting `_interrupt`), and `run` with a"
+            " `StopSignal` that never fires, in finish and abort mode. Text: new tokens from a 16-token"
+            f" prompt; images: {config.image_steps} steps, whole call (text encoding and VAE decode"
+            " included). *Throughput ratio* is the plain call's time over the arm's in the same round"
+            " (median; > 1 is faster), from wall-clock time and from the CPU time of the calling thread"
+            " (with one torch thread it does all the work; it leaves out the time other processes held"
+            " the core); the 95% confidence interval of the median is in brackets. Rounds are added"
+            " until the A/A arm's CI is narrower than the target's margin (0.5%, or 0.1% for the"
+            f" 12-layer model), between {config.rounds.least} and {config.rounds.most} rounds and at"
+            f" most {config.rounds.budget_s:g} s a table; read a ratio against its table's A/A row."
         ),
-        tables=[text, image, checks, implied],
+        tables=[text, image, checks, implied, *([syncs] if device.cuda else [])],
         notes=[
+            *(_verdicts(data)),
             "The tiny models make a step as short as possible, so they show the worst case: a fixed"
             " cost per step is the largest fraction of it there.",
-            "The implied overhead covers what a run adds at every token (the criterion, and in abort"
-            " mode a pre-hook per block and on the model); *plain ms per token* is the plain call's"
-            " median time divided by its tokens. Setting up a run (criteria, hooks) is a fixed cost per"
-            " call on top. The diffusers path adds a wrapped `scheduler.step` per step (with the x0"
-            " estimate), which is not timed separately: see the denoising table.",
-            "Abort mode adds a forward pre-hook on every block (a check per block), so its cost scales"
-            " with depth; finish mode adds one check per step.",
+            "Anchors: the native stop arms (the libraries' own ways to stop a run from outside) in the"
+            " throughput tables; `MaxLengthCriteria` (transformers' own criterion, in every generate"
+            " call) and diffusers' `callback_on_step_end` in the direct timings. Any criterion, the"
+            " library's own included, also costs generate's `StoppingCriteriaList` one tensor OR per"
+            " token, counted in the in-list figure.",
+            "Before a stop is possible abort mode installs nothing in the model (the module-call cost"
+            " is the difference of two timings of the same bare call, so it scatters around 0); once a"
+            " stop is requested, every module call pays the armed cost until the abort, one module call"
+            " later.",
+            "Host-device synchronisations are counted on CUDA only (`--device cuda`)." if not device.cuda
+            else "A per-call constant (the row reasons read at the end of a run) cancels out of the"
+            " per-step figure.",
             RANDOM_WEIGHTS,
         ],
         data=data,
@@ -207,23 +412,50 @@ def run(quick: bool = False) -> Section:
     )
 
 
+def _verdicts(data: dict[str, Any]) -> list[str]:
+    lines = []
+    for kind in ("text", "image"):
+        for label, arms in data[kind].items():
+            r: Resolution = data["resolution"][label]
+            met = all(min(arms[a]["cpu_ratio"], arms[a]["ratio"]) >= r.target for a in (FINISH, ABORT))
+            resolution = (
+                f"the A/A CI is {r.aa_width:.2%} wide, within the {1 - r.target:.1%} margin"
+                if r.resolved
+                else f"the A/A CI is {r.aa_width:.2%} wide, wider than the {1 - r.target:.1%} margin:"
+                " this table cannot resolve the target"
+            )
+            lines.append(
+                f"{label}: target {r.target:g}, {'met' if met else 'NOT met'} in both modes (wall and CPU"
+                f" medians); {r.rounds} rounds, {resolution}."
+            )
+    return lines
+
+
 def _headline(data: dict[str, Any]) -> list[str]:
-    """One line per model: the throughput ratios of finish and abort mode to the plain call."""
+    """One line per model: the throughput ratios of finish and abort mode, beside the A/A arm's."""
     lines = []
     for kind, unit in (("text", "tokens/s"), ("image", "steps/s")):
         for label, arms in data[kind].items():
-            ratios = [
-                f"{a['ratio']:.3f} {name.split('=')[-1]} (CPU time {a['cpu_ratio']:.3f})"
-                for name, a in arms.items()
-                if "=" in name
-            ]
-            lines.append(f"Overhead, {label}: {unit} of `run` / plain call = {', '.join(ratios)}.")
-    checks = data["checks"]
-    implied = "; ".join(
-        f"{label} {d['finish']:.2%} finish, {d['abort']:.2%} abort" for label, d in data["implied"].items()
-    )
+            r: Resolution = data["resolution"][label]
+            ratios = ", ".join(
+                f"{arms[a]['ratio']:.4f} {a.split('=')[-1]} (CPU time {arms[a]['cpu_ratio']:.4f})"
+                for a in (FINISH, ABORT)
+            )
+            lines.append(
+                f"Overhead, {label}: {unit} of `run` / plain call = {ratios}; A/A {arms[AA]['cpu_ratio']:.4f}"
+                f" (95% CI {r.aa_width:.2%} wide), native stop {arms[NATIVE]['cpu_ratio']:.4f};"
+                f" target {r.target:g}."
+            )
+    c = data["costs"]
     lines.append(
-        f"Timed directly: {checks['criterion'] * 1e6:.1f} µs per token for stopcock's stopping criterion,"
-        f" {checks['block_hook'] * 1e6:.1f} µs per block for abort mode's pre-hook; per token: {implied}."
+        f"Timed directly: stopcock's criterion {c['criterion'] * 1e6:.2f} µs per token against"
+        f" {c['max_length'] * 1e6:.2f} µs for transformers' `MaxLengthCriteria`; the wrapped"
+        f" `scheduler.step` {c['step'] * 1e6:.2f} µs per step against {c['native_step'] * 1e6:.2f} µs for"
+        f" diffusers' `callback_on_step_end`; abort mode before a stop {c['module_unarmed'] * 1e6:.2f} µs"
+        f" per module call (nothing installed), {c['module_armed'] * 1e6:.2f} µs once armed."
     )
+    for label, found in data["syncs"].items():
+        added = ", ".join(f"{name.split('=')[-1]} {v['per_step']:+.2f}" for name, v in found.items()
+                          if name in (FINISH, ABORT))
+        lines.append(f"Host-device syncs added per step, {label}: {added}.")
     return lines

@@ -19,23 +19,27 @@ import torch
 
 import stopcock
 
-from .common import Section, Table, image_pipeline
+from .common import CPU, Device, Section, Table, image_pipeline
 
 
 @dataclass(frozen=True)
 class Case:
     label: str
-    pipeline: Callable[[], Any]
+    pipeline: Callable[[Device], Any]  # the pipeline, built on a device
     size: int  # height and width
 
 
-def _flux() -> Any:
+def _flux(device: Device) -> Any:
     from tiny.image import flux_pipeline
 
-    return flux_pipeline()
+    return device.place(flux_pipeline())
 
 
-SD = [Case(f"tiny SD, {s}", functools.partial(image_pipeline, s), 64) for s in ("ddim", "euler", "dpm++")]
+def _sd(scheduler: str, device: Device) -> Any:
+    return image_pipeline(scheduler, device)
+
+
+SD = [Case(f"tiny SD, {s}", functools.partial(_sd, s), 64) for s in ("ddim", "euler", "dpm++")]
 FLUX = Case("tiny Flux, flow-match Euler", _flux, 32)
 
 
@@ -61,12 +65,14 @@ def _psnr(rmse: float) -> str:
 def _latent_mse(a: Any, b: Any) -> float:
     if a.shape != b.shape:
         raise ValueError(f"latents of different shapes: {tuple(a.shape)} vs {tuple(b.shape)}")
-    return float(torch.mean((a.double() - b.double()) ** 2))
+    return float(torch.mean((a.double().cpu() - b.double().cpu()) ** 2))
 
 
-def measure_case(case: Case, steps: int, fractions: tuple[float, ...], table: Table) -> dict[str, Any]:
+def measure_case(
+    case: Case, steps: int, fractions: tuple[float, ...], table: Table, device: Device = CPU
+) -> dict[str, Any]:
     """Add the rows of one pipeline: the other-seed scale, then raw and denoised at each fraction."""
-    pipe = case.pipeline()
+    pipe = case.pipeline(device)
     def kwargs(seed: int = 0) -> dict[str, Any]:
         return {"num_inference_steps": steps, "height": case.size, "width": case.size,
                 "generator": torch.Generator().manual_seed(seed)}
@@ -97,13 +103,13 @@ def measure_case(case: Case, steps: int, fractions: tuple[float, ...], table: Ta
     return data
 
 
-def run(quick: bool = False) -> Section:
+def run(quick: bool = False, device: Device = CPU) -> Section:
     c = QUICK if quick else FULL
     table = Table(
         "Distance of the partial result to the full run's (same seed)",
         ["pipeline", "run", "steps", "decoded", "pixel RMSE", "PSNR dB", "latent MSE", "detail"],
     )
-    data = {case.label: measure_case(case, c.steps, c.fractions, table) for case in c.cases}
+    data = {case.label: measure_case(case, c.steps, c.fractions, table, device) for case in c.cases}
     notes = [
         "**The weights are random**, so the full run's image is not a picture of anything and the"
         " denoiser's noise prediction is not a real one: these numbers show that the partial result is"
