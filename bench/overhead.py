@@ -349,7 +349,7 @@ def run(quick: bool = False, device: Device = CPU) -> Section:
         if device.cuda:
             data["syncs"][label] = sync_rows(syncs, label, 8, model_arms)
         if case.pipeline:
-            pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
+            pipe = pipeline("text-generation", model=model, tokenizer=tokenizer, device=model.device)
             plabel = label + ", text-generation pipeline"
             found = _arms(pipe, pipe, (tokenizer.decode(ids[0]),), gen_kwargs, native, device)
             data["text"][plabel], data["resolution"][plabel] = compare(
