@@ -108,7 +108,8 @@ def criterion_arm(s: Scenario) -> ArmSetup:
 
     class Asked(StoppingCriteria):
         def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
-            return torch.full((input_ids.shape[0],), asked.is_set(), dtype=torch.bool, device=input_ids.device)
+            rows = input_ids.shape[0]
+            return torch.full((rows,), asked.is_set(), dtype=torch.bool, device=input_ids.device)
 
     prompt = s.args[0].shape[1]
 
