@@ -2,8 +2,8 @@
 
 A step-level stop (the native criterion or interrupt, stopcock's finish mode) waits for the rest
 of the current forward (and, for diffusers, the VAE decode), so its latency falls as the stop lands
-deeper in the step; abort mode leaves the forward at the next block, so its latency stays about
-one block wherever the stop lands.
+deeper in the step; abort mode leaves the forward at the next module call, so its latency stays
+under one block wherever the stop lands.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def run(quick: bool = False, device: Device = CPU) -> Section:
             f" {c.stop_token + 1} before the MLP of a block; and a Flux pipeline with a"
             f" {sum(c.dit)}-block transformer (128 channels) running {c.dit_steps} steps, stopped in"
             f" step {c.dit_stop_step + 1} before {dit_where}. Both stops land halfway through a block,"
-            " where abort mode waits for the rest of it. A forward pre-hook holds the run until"
+            " where abort mode waits only for the module in flight (the attention or MLP the trigger"
+            " precedes is the next module call). A forward pre-hook holds the run until"
             f" another thread has called `stop()`. Median of {c.reps} runs per arm, interleaved."
             " *In steps* divides by the median step of the runs without a stop, *in blocks* by a"
             " step / the number of blocks."
@@ -83,10 +84,9 @@ def run(quick: bool = False, device: Device = CPU) -> Section:
         tables=[gpt2_table, dit_table],
         notes=[
             "The row *no stop* is the rest of the run from the same moment, for scale.",
-            "Abort mode checks before every block (forward pre-hooks), so it returns within about"
-            " one block; step-level stops finish the forward first (and keep its token, or decode"
-            " the latents). A stop in a model's last block is seen at the end of that forward, as in"
-            " finish mode.",
+            "Abort mode arms a check before every module call once the stop is requested (nothing is"
+            " installed before), so it returns at the next module call, within a block; step-level"
+            " stops finish the forward first (and keep its token, or decode the latents).",
             RANDOM_WEIGHTS,
         ],
         data=data,

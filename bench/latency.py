@@ -284,7 +284,7 @@ def run(quick: bool = False, device: Device = CPU) -> Section:
             " interleaved. A forward pre-hook holds the run until a second thread has called"
             f" `stop()`: diffusers before {image.where} during step {c.image_stop_step + 1} of"
             f" {c.image_steps}; transformers before {prefill.where} in the prefill forward. Both land"
-            " mid-block, where abort mode waits for the rest of that block. *In steps*"
+            " mid-block, where abort mode leaves at the next module call. *In steps*"
             " divides by the median step (start to start of the denoiser's forwards) of the runs"
             " without a stop, *in prefills* by their prefill forward; *in blocks* divides that"
             " unit by the number of blocks stopcock hooks (an average block, an approximation)."
@@ -295,9 +295,9 @@ def run(quick: bool = False, device: Device = CPU) -> Section:
         notes=[
             "The native interrupt skips the remaining steps but still runs the VAE decode, and so"
             " does stopcock's finish mode (it returns the pipeline's own output); abort mode returns"
-            " at the next block without decoding (`Outcome.latents` holds the latents).",
+            " at the next module call without decoding (`Outcome.latents` holds the latents).",
             "No stopping criterion runs inside the prefill: the native criterion and finish mode end"
-            " after the prefill and one token; abort mode leaves the forward at the next block.",
+            " after the prefill and one token; abort mode leaves the forward at the next module call.",
             RANDOM_WEIGHTS,
         ],
         data=data,
