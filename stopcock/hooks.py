@@ -22,6 +22,7 @@ registry keyed by module), so tripwires of concurrent runs never publish over ea
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
@@ -36,7 +37,31 @@ __all__ = ["Tripwire", "find_blocks", "pre_hooks"]
 #: The key of stopcock's hook in every module's ``_forward_pre_hooks``: an id taken from torch's
 #: own counter, so it never collides with a hook registered the usual way.
 _KEY = RemovableHandle(OrderedDict()).id
-_lock = threading.RLock()  # re-entrant: a stop from a signal handler may arm on a thread that holds it
+
+# Arming and removing are serialised by one lock. A stop can re-enter them on the very thread that is
+# half-way through one (a signal handler, or a stream's finaliser run by the garbage collector, calls
+# stop(), whose callbacks arm): the lock is re-entrant, and an operation that comes in while another
+# is under way is queued and run as soon as that one is done, before the lock is let go.
+_lock = threading.RLock()
+_busy = False
+_queued: collections.deque[Callable[[], None]] = collections.deque()
+
+
+def _serialised(operation: Callable[[], None]) -> None:
+    global _busy
+    with _lock:
+        if _busy:
+            _queued.append(operation)
+            return
+        _busy = True
+        try:
+            operation()
+            while _queued:
+                _queued.popleft()()
+        finally:
+            _busy = False
+        if _queued:  # one that came in between the last check and the line above
+            _serialised(_queued.popleft())
 
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:
@@ -113,30 +138,34 @@ class Tripwire:
 
     def arm(self) -> None:
         """Install the checks (no-op when armed already or closed)."""
-        with _lock:
-            if self.armed or self._closed or self._modules is None:
-                return
-            self.armed = True
-            modules, self._modules = self._modules, None
-            for module in dict.fromkeys(modules):  # each module once, order kept
-                if "_forward_pre_hooks" not in vars(module):
-                    continue  # not initialised by nn.Module.__init__: torch calls no hooks on it either
-                entry = _published.get(module)
-                if entry is None:
-                    entry = _published[module] = _Published(module)
-                entry.wires = (*entry.wires, self)
-                self._on.append(entry)
+        _serialised(self._arm)
+
+    def _arm(self) -> None:
+        if self.armed or self._closed or self._modules is None:
+            return
+        self.armed = True
+        modules, self._modules = self._modules, None
+        for module in dict.fromkeys(modules):  # each module once, order kept
+            if "_forward_pre_hooks" not in vars(module):
+                continue  # not initialised by nn.Module.__init__: torch calls no hooks on it either
+            entry = _published.get(module)
+            if entry is None:
+                entry = _published[module] = _Published(module)
+            entry.wires = (*entry.wires, self)
+            self._on.append(entry)
 
     def close(self) -> None:
         """Remove the checks (idempotent); a later :meth:`arm` does nothing."""
-        with _lock:
-            self._closed = True
-            on, self._on = self._on, []
-            for entry in on:
-                entry.wires = tuple(w for w in entry.wires if w is not self)
-                if not entry.wires:
-                    del _published[entry.module]
-                    entry.withdraw()
+        self._closed = True  # at once, even if the removal itself has to wait for the lock
+        _serialised(self._close)
+
+    def _close(self) -> None:
+        on, self._on = self._on, []
+        for entry in on:
+            entry.wires = tuple(w for w in entry.wires if w is not self)
+            if not entry.wires:
+                del _published[entry.module]
+                entry.withdraw()
 
 
 @contextmanager

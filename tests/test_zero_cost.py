@@ -5,6 +5,7 @@ and once armed an abort lands at the next module call, with the next run bit-ide
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -115,6 +116,43 @@ def test_tripwires_sharing_a_module_and_a_hook_registered_while_armed():
     assert late_calls == [1] and len(a_seen) == 1
     late.remove()
     assert not layer._forward_pre_hooks
+
+
+class Reentrant(nn.Linear):
+    """A layer whose hash, taken inside arming and removal, runs ``then`` once: a stop re-entering
+    them on the same thread, as a signal handler or a stream's garbage-collected finaliser can."""
+
+    def __init__(self) -> None:
+        super().__init__(2, 2)
+        self.then: Any = None
+
+    def __hash__(self) -> int:
+        then, self.then = self.then, None
+        if then is not None:
+            then()
+        return id(self)
+
+
+def test_arming_and_removal_re_entered_on_their_own_thread_stay_consistent():
+    layer, other, x = Reentrant(), nn.Linear(2, 2), torch.zeros(1, 2)
+    originals = layer._forward_pre_hooks, other._forward_pre_hooks
+    first: list[nn.Module] = []
+    second: list[nn.Module] = []
+    with Tripwire([layer], first.append) as one, Tripwire([layer, other], second.append) as two:
+        layer.then = two.arm  # re-entered inside one's arming
+        one.arm()
+        layer(x)
+        other(x)
+        assert (first, second) == ([layer], [layer, other])
+        one.close()
+        three = Tripwire([layer], first.append)
+        layer.then = three.arm  # re-entered inside two's removal, the last from layer
+        two.close()
+        layer(x)
+        assert (len(first), len(second)) == (2, 2)  # three's check only
+        three.close()
+    assert (layer._forward_pre_hooks, other._forward_pre_hooks) == originals
+    assert layer._forward_pre_hooks is originals[0] and not hooked(layer) and not hooked(other)
 
 
 # -- the step fast path --------------------------------------------------------------------------------
