@@ -162,7 +162,8 @@ def stream(
     ``preview="latent"`` adds a cheap preview image to diffusion steps (a fixed linear map of SD
     latents), ``preview="decode"`` a VAE decode; ``preview_every=N`` makes one every N steps.
     ``buffer`` bounds the events held for a slow consumer. Other arguments (``mode=``,
-    ``partial=``, ``on_step=``, ``adapter=``, ``kwargs=``, the target's own) go to :func:`stopcock.run`.
+    ``escalate_after=``, ``partial=``, ``on_step=``, ``adapter=``, ``kwargs=``, the target's own) go
+    to :func:`stopcock.run`.
     """
     events = events_for(tokenizer, preview, preview_every)
     return Stream(*start_worker(target, args, kwargs, stop=stop, buffer=buffer, events=events))
