@@ -38,7 +38,6 @@ from .conditions import (
     as_condition,
     top_level,
 )
-from .hooks import Tripwire
 from .outcome import Outcome
 from .signal import StopSignal
 from .state import StepState
@@ -46,6 +45,8 @@ from .types import MODES, Mode, choice
 
 if TYPE_CHECKING:
     from torch import nn
+
+    from .hooks import Tripwire
 
 __all__ = ["ARM_AHEAD", "Abort", "RunControl", "MODES", "Watch"]
 
@@ -288,6 +289,8 @@ class RunControl:
         if not abort and self.escalate_after is None:
             yield
             return
+        from .hooks import Tripwire  # here: importing stopcock must not import torch
+
         with Tripwire(modules, (lambda _m: self.poll()) if abort else self._poll_escalation) as wire:
             with self._lock:
                 first = not self._wires
