@@ -231,11 +231,11 @@ def check_costs(table: Table, calls: int, device: Device) -> dict[str, float]:
     x = torch.zeros(1, 8, device=device.name, dtype=device.torch_dtype)
     with torch.no_grad():
         bare = per_call(lambda: block(x), calls, device)
-        with RunControl(stopcock.StopSignal(), mode="abort") as control, control.intercept([block]):
+        with RunControl(stopcock.StopSignal(), mode="abort") as control, control.intercept():
             costs["module_unarmed"] = per_call(lambda: block(x), calls, device) - bare
         # armed, with a timeout not yet expired: what the last ARM_AHEAD seconds before it cost
         with RunControl(stopcock.timeout(3600), mode="abort") as control:
-            with Tripwire([block], lambda _m: control.poll()) as wire:
+            with Tripwire(None, lambda _m: control.poll()) as wire:
                 wire.arm()
                 costs["module_armed"] = per_call(lambda: block(x), calls, device) - bare
     costs.update(_step_costs(calls // 10, device))
@@ -252,7 +252,8 @@ def check_costs(table: Table, calls: int, device: Device) -> dict[str, float]:
         ("a module call in abort mode before any stop is possible (nothing installed)", "module_unarmed",
          "each module call of each forward, abort"),
         ("a module call once armed (a stop is possible)", "module_armed",
-         "each module call, from a stop request (or the last 50 ms before a timeout) to the abort"),
+         "each module call (of any thread), from a stop request (or the last 50 ms before a timeout)"
+         " to the abort"),
         ("diffusers' `callback_on_step_end` as the pipeline runs it, reading a flag (the anchor)",
          "native_step", "every denoising step, native interrupt"),
         ("stopcock's wrapped `scheduler.step`, nothing can fire (finish and abort)", "step",

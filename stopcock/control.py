@@ -8,8 +8,9 @@ check, raises :class:`Abort` in abort mode, and builds the :class:`Outcome`.
 signals, the moments its timeouts and deadlines expire, the step its ``max_steps`` ends at. While
 none of them can fire, a step boundary costs a few flag reads (:meth:`RunControl.quiet_step`: no
 :class:`StepState` built, no condition walked), and the checks inside the model forward are not
-installed at all: :meth:`RunControl.intercept` arms them (:class:`~stopcock.hooks.Tripwire`) the
-moment a stop becomes possible: a signal stops (armed by the stopping thread before ``stop()``
+installed at all: :meth:`RunControl.intercept` arms them (:class:`~stopcock.hooks.Tripwire`, one
+hook for every module call on the run's thread, so arming costs the same whatever the model's size)
+the moment a stop becomes possible: a signal stops (armed by the stopping thread before ``stop()``
 returns), a timeout or deadline is :data:`ARM_AHEAD` seconds away (armed by a timer thread), or at
 once for a condition of your own, which may fire at any moment. In finish mode with
 ``escalate_after=S``, the same checks are armed S seconds after a stop request that no step
@@ -21,7 +22,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -277,13 +278,14 @@ class RunControl:
 
     # -- checks inside the forward, armed when needed ------------------------------------------------
     @contextmanager
-    def intercept(self, modules: Iterable[nn.Module], *, abort: bool | None = None) -> Iterator[None]:
-        """Checks before every call of ``modules`` during the ``with`` block, armed only when needed.
+    def intercept(self, *, abort: bool | None = None) -> Iterator[None]:
+        """A check before every module call on this thread during the ``with`` block (the run's
+        models, and any other module the run calls), armed only when needed.
 
-        As abort mode arms them (``mode="abort"``, or ``abort=True`` for a target that cannot
+        As abort mode arms it (``mode="abort"``, or ``abort=True`` for a target that cannot
         finish early): once a stop is possible, see the module docstring; the check raises
         :class:`Abort`. In finish mode with ``escalate_after``: once a stop has waited that long
-        unseen. Otherwise nothing is ever installed. ``modules`` is read when armed.
+        unseen. Otherwise nothing is ever installed.
         """
         abort = self.mode == "abort" if abort is None else abort
         if not abort and self.escalate_after is None:
@@ -291,7 +293,7 @@ class RunControl:
             return
         from .hooks import Tripwire  # here: importing stopcock must not import torch
 
-        with Tripwire(modules, (lambda _m: self.poll()) if abort else self._poll_escalation) as wire:
+        with Tripwire(None, (lambda _m: self.poll()) if abort else self._poll_escalation) as wire:
             with self._lock:
                 first = not self._wires
                 self._wires.append((wire, abort))

@@ -1,23 +1,27 @@
 """Forward pre-hooks that reach inside a model forward, and cost nothing until they are armed.
 
 Used for abort mode (a check before every module call, so a long prefill or denoiser call is
-abandoned at the next module), for a finish-mode stop that escalates, and for libraries with no
-step hook (a check before each denoiser call). A :class:`Tripwire` installs nothing when it is
-entered: a module with no hook takes torch's fast path, so a run pays nothing per module until
-:meth:`Tripwire.arm` is called, from any thread, at the moment a stop becomes possible. Checks act
-only on the thread that made the tripwire, so a concurrent run on the same model in another thread
-is not touched; everything is removed when the ``with`` block exits.
+abandoned at the next module call), for a finish-mode stop that escalates, and for checks on chosen
+modules (diffusers' safety net before each denoiser call). A :class:`Tripwire` installs nothing
+when it is entered: a model with no hook takes torch's fast path, so a run pays nothing per module
+until :meth:`Tripwire.arm` is called, from any thread, at the moment a stop becomes possible. A
+tripwire on chosen modules hooks each of them; one on *every* module (``modules=None``) puts one
+hook in torch's global pre-hook dict, so arming it costs the same for a model of ten modules or
+ten thousand. Checks act only on the thread that made the tripwire, so a concurrent run in another
+thread is not touched (its module calls pay torch's hook path, about a microsecond each, while a
+global hook is armed); everything is removed when the ``with`` block exits.
 
 **Arming while the run's thread is inside a forward.** torch's ``Module._call_impl`` reads
-``module._forward_pre_hooks`` afresh at every call and runs a snapshot of it. Arming never mutates
-a dict that torch may be iterating: for each module it publishes a *copy* of that dict with one
-stopcock hook added (a single attribute store, atomic with or without the GIL). A forward already
-past its pre-hooks keeps its snapshot; the next module call sees the hook. Disarming puts the
-original dict object back (the one users' ``RemovableHandle``s refer to), so hooks registered and
-removed around the run keep working. Only if a hook was registered on a module *while* armed (it
-then lives in the copy) is the copy kept and the stopcock entry deleted from it, on the run's own
-thread once its forward is over. One stopcock hook serves every tripwire armed on a module (a
-registry keyed by module), so tripwires of concurrent runs never publish over each other.
+``module._forward_pre_hooks`` and the global ``_global_forward_pre_hooks`` afresh at every call and
+runs a snapshot of them. Arming never mutates a dict that torch may be iterating: it publishes a
+*copy* of the hook dict with one stopcock hook added (a single attribute store, atomic with or
+without the GIL). A forward already past its pre-hooks keeps its snapshot; the next module call
+sees the hook. Disarming puts the original dict object back (the one users' ``RemovableHandle``s
+refer to), so hooks registered and removed around the run keep working. Only if a hook was
+registered *while* armed (it then lives in the copy) is the copy kept and the stopcock entry
+deleted from it, on the run's own thread once its forward is over. One stopcock hook serves every
+tripwire armed on a dict (a registry keyed by dict), so tripwires of concurrent runs never publish
+over each other.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from torch import nn
+from torch.nn.modules import module as torch_module
 from torch.utils.hooks import RemovableHandle
 
 __all__ = ["Tripwire", "find_blocks", "pre_hooks"]
@@ -84,16 +89,17 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 class _Published:
-    """stopcock's hook on one module: the original hook dict, the published copy, the tripwires."""
+    """stopcock's hook in one hook dict (a module's, or torch's global one): the original dict,
+    the published copy, and the tripwires it serves."""
 
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-        self.original: OrderedDict[int, Any] = vars(module)["_forward_pre_hooks"]
+    def __init__(self, attrs: dict[str, Any], name: str) -> None:
+        self.attrs, self.name = attrs, name
+        self.original: OrderedDict[int, Any] = attrs[name]
         self.keys = set(self.original)
         self.wires: tuple[Tripwire, ...] = ()  # replaced, never mutated: the hook reads it unlocked
         self.copy: OrderedDict[int, Any] = type(self.original)(self.original)
         self.copy[_KEY] = self.hook
-        vars(module)["_forward_pre_hooks"] = self.copy
+        attrs[name] = self.copy
 
     def hook(self, module: nn.Module, args: Any) -> None:
         me = threading.get_ident()
@@ -102,31 +108,41 @@ class _Published:
                 wire.check(module)
 
     def withdraw(self) -> None:
-        """Take the hook off the module (see the module docstring)."""
-        attrs = vars(self.module)
-        current = attrs["_forward_pre_hooks"]
+        """Take the hook out (see the module docstring)."""
+        current = self.attrs[self.name]
         if current is self.copy and set(self.copy) <= self.keys | {_KEY}:
-            attrs["_forward_pre_hooks"] = self.original  # also reflects hooks removed meanwhile
+            self.attrs[self.name] = self.original  # also reflects hooks removed meanwhile
             return
         for key in [_KEY, *(self.keys - set(self.original))]:  # ours, and those removed meanwhile
             current.pop(key, None)
 
 
-_published: dict[nn.Module, _Published] = {}
+_published: dict[int, _Published] = {}  # id of the hook dict's holder -> its entry (holders stay alive)
+
+
+def _slots(modules: Iterable[nn.Module] | None) -> Iterator[tuple[dict[str, Any], str]]:
+    """Where the hooks go: each module's own hook dict, or torch's global one for every module."""
+    if modules is None:
+        yield vars(torch_module), "_global_forward_pre_hooks"
+        return
+    for module in dict.fromkeys(modules):  # each module once, order kept
+        if "_forward_pre_hooks" in vars(module):  # else not initialised by nn.Module: no hooks run
+            yield vars(module), "_forward_pre_hooks"
 
 
 class Tripwire:
-    """``check(module)`` before each forward of each of ``modules`` on this thread, once armed.
+    """``check(module)`` before each forward of each of ``modules`` (None: of every module) on this
+    thread, once armed.
 
     Entering installs nothing; :meth:`arm` (from any thread, idempotent) installs the checks, and
     leaving the ``with`` block removes them. ``modules`` is read when armed, not before.
     """
 
-    def __init__(self, modules: Iterable[nn.Module], check: Callable[[nn.Module], Any]) -> None:
+    def __init__(self, modules: Iterable[nn.Module] | None, check: Callable[[nn.Module], Any]) -> None:
         self.check = check
         self.owner = threading.get_ident()
         self.armed = False
-        self._modules: Iterable[nn.Module] | None = modules
+        self._modules = modules
         self._on: list[_Published] = []
         self._closed = False
 
@@ -141,16 +157,14 @@ class Tripwire:
         _serialised(self._arm)
 
     def _arm(self) -> None:
-        if self.armed or self._closed or self._modules is None:
+        if self.armed or self._closed:
             return
         self.armed = True
-        modules, self._modules = self._modules, None
-        for module in dict.fromkeys(modules):  # each module once, order kept
-            if "_forward_pre_hooks" not in vars(module):
-                continue  # not initialised by nn.Module.__init__: torch calls no hooks on it either
-            entry = _published.get(module)
+        modules, self._modules = self._modules, ()
+        for attrs, name in _slots(modules):
+            entry = _published.get(id(attrs))
             if entry is None:
-                entry = _published[module] = _Published(module)
+                entry = _published[id(attrs)] = _Published(attrs, name)
             entry.wires = (*entry.wires, self)
             self._on.append(entry)
 
@@ -164,7 +178,7 @@ class Tripwire:
         for entry in on:
             entry.wires = tuple(w for w in entry.wires if w is not self)
             if not entry.wires:
-                del _published[entry.module]
+                del _published[id(entry.attrs)]
                 entry.withdraw()
 
 

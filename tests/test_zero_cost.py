@@ -10,11 +10,13 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.nn.modules import module as torch_module
 
 import stopcock
 from stopcock.conditions import Condition
 from stopcock.control import RunControl
 from stopcock.hooks import Tripwire
+from stopcock.hooks import _serialised as serialised
 from tiny import image as tiny
 from tiny.slow import SlowLayer, slow_down
 
@@ -28,6 +30,11 @@ def _one_thread():
 
 def hooked(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if m._forward_pre_hooks]
+
+
+def global_hooks() -> int:
+    """The hooks in torch's global pre-hook dict, where abort mode's check goes once armed."""
+    return len(torch_module._global_forward_pre_hooks)
 
 
 @pytest.fixture
@@ -66,19 +73,20 @@ def test_a_tripwire_installs_nothing_until_armed_and_puts_the_users_dicts_back()
     assert hooked(model) == []
 
 
-def test_arming_from_another_thread_mutates_no_dict_torch_may_be_iterating():
+@pytest.mark.parametrize("every_module", [False, True], ids=["its modules", "every module"])
+def test_arming_from_another_thread_mutates_no_dict_torch_may_be_iterating(every_module):
     """The run's thread is inside a forward (held in ``first``) when another thread arms: the dicts
     torch already read stay untouched, and the next module call runs the check."""
     first = SlowLayer(hold_at=0)
     model = nn.Sequential(first, nn.Linear(2, 2), nn.Linear(2, 2))
-    read_by_torch = {m: m._forward_pre_hooks for m in model.modules()}
+    read_by_torch = [m._forward_pre_hooks for m in model.modules()] + [torch_module._global_forward_pre_hooks]
     seen: list[nn.Module] = []
 
     def check(module: nn.Module) -> None:
         seen.append(module)
         first.release.set()  # the check ran inside the held forward: let it go on
 
-    with Tripwire(model.modules(), check) as wire:
+    with Tripwire(None if every_module else model.modules(), check) as wire:
 
         def arm_while_inside() -> None:
             assert first.entered.wait(30)
@@ -88,10 +96,11 @@ def test_arming_from_another_thread_mutates_no_dict_torch_may_be_iterating():
         helper.start()
         model(torch.zeros(1, 2))
         helper.join()
-    assert all(d == {} for d in read_by_torch.values())  # never mutated
+    assert all(d == {} for d in read_by_torch)  # never mutated
     assert model not in seen and first not in seen  # already past their pre-hooks when armed
     assert first.inner in seen and seen[-2:] == [model[1], model[2]]
-    assert hooked(model) == []
+    assert hooked(model) == [] and global_hooks() == 0
+    assert torch_module._global_forward_pre_hooks is read_by_torch[-1]  # torch's own dict is back
 
 
 def test_tripwires_sharing_a_module_and_a_hook_registered_while_armed():
@@ -133,7 +142,7 @@ class Reentrant(nn.Linear):
         return id(self)
 
 
-def test_arming_and_removal_re_entered_on_their_own_thread_stay_consistent():
+def test_arming_re_entered_on_its_own_thread_stays_consistent():
     layer, other, x = Reentrant(), nn.Linear(2, 2), torch.zeros(1, 2)
     originals = layer._forward_pre_hooks, other._forward_pre_hooks
     first: list[nn.Module] = []
@@ -144,15 +153,20 @@ def test_arming_and_removal_re_entered_on_their_own_thread_stay_consistent():
         layer(x)
         other(x)
         assert (first, second) == ([layer], [layer, other])
-        one.close()
-        three = Tripwire([layer], first.append)
-        layer.then = three.arm  # re-entered inside two's removal, the last from layer
-        two.close()
-        layer(x)
-        assert (len(first), len(second)) == (2, 2)  # three's check only
-        three.close()
-    assert (layer._forward_pre_hooks, other._forward_pre_hooks) == originals
-    assert layer._forward_pre_hooks is originals[0] and not hooked(layer) and not hooked(other)
+    assert layer._forward_pre_hooks is originals[0] and other._forward_pre_hooks is originals[1]
+    assert not hooked(layer) and not hooked(other)
+
+
+def test_an_operation_re_entered_during_another_runs_after_it():
+    done: list[str] = []
+
+    def outer() -> None:
+        done.append("outer starts")
+        serialised(lambda: done.append("inner"))  # as a signal handler would, on this thread
+        done.append("outer ends")
+
+    serialised(outer)
+    assert done == ["outer starts", "outer ends", "inner"]
 
 
 # -- the step fast path --------------------------------------------------------------------------------
@@ -206,7 +220,7 @@ def test_abort_mode_installs_nothing_until_the_stop_then_aborts_inside_the_block
     ids = tokenizer(["Hello world"], return_tensors="pt")
     expected = text_model.generate(**ids, max_new_tokens=NEW, do_sample=False)
     block = text_model.transformer.h[0]
-    signal, hooked_at_forward = stopcock.StopSignal(), []
+    signal, hooked_at_forward = stopcock.StopSignal(), []  # (modules with pre-hooks, global hooks)
     calls = {"attn": 0, "mlp": 0}
 
     def after_attention(module, args, output):
@@ -215,7 +229,9 @@ def test_abort_mode_installs_nothing_until_the_stop_then_aborts_inside_the_block
             signal.stop("inside")
 
     handles = [
-        text_model.register_forward_pre_hook(lambda m, a: hooked_at_forward.append(len(hooked(text_model)))),
+        text_model.register_forward_pre_hook(
+            lambda m, a: hooked_at_forward.append((len(hooked(text_model)), global_hooks()))
+        ),
         block.attn.register_forward_hook(after_attention),
         block.mlp.register_forward_hook(lambda m, a, o: calls.__setitem__("mlp", calls["mlp"] + 1)),
     ]
@@ -226,11 +242,11 @@ def test_abort_mode_installs_nothing_until_the_stop_then_aborts_inside_the_block
     finally:
         for h in handles:
             h.remove()
-    assert hooked_at_forward == [1, 1, 1, 1]  # only the test's own hook, in every forward before the stop
+    assert hooked_at_forward == [(1, 0)] * 4  # only the test's own hook, in every forward before the stop
     assert (outcome.stopped, outcome.reason, outcome.steps, outcome.mode) == (True, "inside", 3, "abort")
     assert calls == {"attn": 4, "mlp": 3}  # aborted at the next module call, inside the block
     assert torch.equal(outcome.output, expected[:, : ids["input_ids"].shape[1] + 3])
-    assert hooked(text_model) == []
+    assert hooked(text_model) == [] and global_hooks() == 0
     again = stopcock.run(text_model, **ids, max_new_tokens=NEW, do_sample=False, mode="abort")
     assert torch.equal(again.output, expected)  # the next run is bit-identical
 
@@ -254,6 +270,7 @@ def test_a_diffusers_abort_lands_at_the_next_module_and_the_next_run_is_identica
     assert (outcome.reason, outcome.steps, outcome.output) == ("inside", 2, None)
     assert (calls[resnet.norm1], calls[resnet.conv1], calls[resnet.norm2]) == (3, 3, 2)
     assert all(not hooked(m) for m in pipe.components.values() if isinstance(m, nn.Module))
+    assert global_hooks() == 0
     assert (pipe(**kwargs()).images == reference).all()
 
 
@@ -263,7 +280,9 @@ def test_a_timeout_arms_abort_mode_shortly_before_it_expires(text_model, tokeniz
     original = text_model.transformer.h[1].mlp
     slow_down(text_model, "transformer.h.1.mlp", slow)
     seen_at_start: list[int] = []
-    handle = text_model.register_forward_pre_hook(lambda m, a: seen_at_start.append(len(hooked(text_model))))
+    handle = text_model.register_forward_pre_hook(
+        lambda m, a: seen_at_start.append((len(hooked(text_model)), global_hooks()))
+    )
     try:
         outcome = stopcock.run(
             text_model, **ids, max_new_tokens=NEW, stop=stopcock.timeout(0.2), mode="abort"
@@ -271,9 +290,9 @@ def test_a_timeout_arms_abort_mode_shortly_before_it_expires(text_model, tokeniz
     finally:
         handle.remove()
         text_model.transformer.h[1].mlp = original
-    assert seen_at_start == [1]  # nothing of stopcock's when the forward began
+    assert seen_at_start == [(1, 0)]  # nothing of stopcock's when the forward began
     assert (outcome.stopped, outcome.reason, outcome.steps, outcome.mode) == (True, "timeout", 0, "abort")
-    assert torch.equal(outcome.output, ids["input_ids"]) and hooked(text_model) == []
+    assert torch.equal(outcome.output, ids["input_ids"]) and hooked(text_model) == [] and global_hooks() == 0
 
 
 class Always(Condition):
@@ -293,7 +312,7 @@ def test_a_condition_of_your_own_is_armed_from_the_start(text_model, tokenizer):
     mine, counts = Always(), []
 
     def count(module, args):
-        counts.append(len(hooked(text_model)))
+        counts.append(global_hooks())
         mine.fire = len(counts) == 3
 
     handle = text_model.register_forward_pre_hook(count)
@@ -303,5 +322,5 @@ def test_a_condition_of_your_own_is_armed_from_the_start(text_model, tokenizer):
         )
     finally:
         handle.remove()
-    assert counts[0] > 1  # armed before the first forward
+    assert counts[0] == 1  # armed before the first forward
     assert (outcome.reason, outcome.steps, outcome.mode) == ("mine", 2, "abort")

@@ -16,9 +16,9 @@ How a run is bound (one mechanism for every pipeline kind):
   the remaining steps and the pipeline decodes as usual. With ``partial="denoised"`` the scheduler's
   result at that step is replaced by the x0 estimate, so that is what gets decoded.
 - **Abort** (``mode="abort"``, and every other pipeline): :class:`~stopcock.control.Abort` is raised
-  at the step boundary, and forward pre-hooks on every module of every model component, armed once a
-  stop is possible (:meth:`~stopcock.control.RunControl.intercept`), raise it at the next module call
-  while a forward is under way. No VAE decode, no safety checker, no next stage. A finish-mode stop
+  at the step boundary, and a forward pre-hook on every module call, armed once a stop is possible
+  (:meth:`~stopcock.control.RunControl.intercept`), raises it at the next module call while a
+  forward is under way. No VAE decode, no safety checker, no next stage. A finish-mode stop
   escalated by ``escalate_after=`` aborts the same way.
 
 Users' own ``callback_on_step_end`` / legacy ``callback`` arguments are left untouched.
@@ -27,7 +27,6 @@ Users' own ``callback_on_step_end`` / legacy ``callback`` arguments are left unt
 from __future__ import annotations
 
 import inspect
-import itertools
 import math
 import threading
 import weakref
@@ -233,10 +232,9 @@ class _Binding:
             if self.native:
                 # Safety net, armed with the flag: a denoiser forward after it means the loop ignored it.
                 self.safety = self._stack.enter_context(Tripwire(self.denoisers(), self._after_flag))
-            # Checks before every module call of every model, armed once a stop makes them needed:
-            # abort (every pipeline but the native finish path), or an escalating finish-mode stop.
-            modules = itertools.chain.from_iterable(m.modules() for m in self._models().values())
-            self._stack.enter_context(self.control.intercept(modules, abort=not self.native))
+            # A check before every module call, armed once a stop makes it needed: abort (every
+            # pipeline but the native finish path), or an escalating finish-mode stop.
+            self._stack.enter_context(self.control.intercept(abort=not self.native))
         except BaseException:
             self._stack.close()
             raise

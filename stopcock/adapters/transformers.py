@@ -8,9 +8,9 @@ string end (padded) while the others go on; in beam search an item ends when its
 hits one. The text that triggered a stop is kept in the output, as transformers keeps it: the
 stop string is at the end of the text (the last token may run past it).
 
-``mode="abort"`` (or a finish-mode stop escalated by ``escalate_after=``) arms forward pre-hooks
-on every module of the model once a stop is possible, so a stop during a long prefill abandons the
-forward at the next module call. Other pipelines are fed their inputs one by one and
+``mode="abort"`` (or a finish-mode stop escalated by ``escalate_after=``) arms a forward pre-hook
+on every module call once a stop is possible, so a stop during a long prefill abandons the forward
+at the next module call. Other pipelines are fed their inputs one by one and
 stop between items (or batches), keeping the results done so far.
 """
 
@@ -258,12 +258,11 @@ def stopping_criteria(stop: StopLike, tokenizer: Any = None) -> StoppingCriteria
 # -- running -------------------------------------------------------------------------------------
 
 
-def _guarded(control: RunControl, model: Any, call: Callable[[], Any]) -> tuple[Any, bool]:
-    """``call()`` with the checks before every module call of the model, armed when a stop makes
-    them needed (abort mode, or an escalating finish-mode stop). Returns (result, aborted)."""
-    modules = model.modules() if isinstance(model, torch.nn.Module) else ()
+def _guarded(control: RunControl, call: Callable[[], Any]) -> tuple[Any, bool]:
+    """``call()`` with a check before every module call, armed when a stop makes it needed (abort
+    mode, or an escalating finish-mode stop). Returns (result, aborted)."""
     try:
-        with control.intercept(modules):
+        with control.intercept():
             return call(), False
     except Abort as exc:
         if exc.control is not control:
@@ -322,7 +321,7 @@ def _run_generate(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], con
     if control.check():
         output, aborted = start, False
     else:
-        output, aborted = _guarded(control, model, lambda: model.generate(*args, **kwargs))
+        output, aborted = _guarded(control, lambda: model.generate(*args, **kwargs))
         if aborted:
             output = criteria.so_far(start, int(settings.get("num_return_sequences") or 1))
     _end_streamer(kwargs.get("streamer"), criteria, aborted)
@@ -416,7 +415,7 @@ def _run_pipeline(
 
     aborted = False
     if not control.check():
-        _, aborted = _guarded(control, pipe.model, each if many else one)
+        _, aborted = _guarded(control, each if many else one)
     output = results if many else (results[0] if results else [])
     extra: dict[str, Any] = {"items": len(results)} if many else {}
     if criteria is None:
