@@ -13,10 +13,11 @@ direct per-call timings, beside the libraries' own criterion and callback, are t
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +94,8 @@ FULL = Config(
     check_calls=20000,
 )
 
+#: Costs timed as what a variant adds to a base call (paired batches, median), not on their own.
+DIFFERENCES = ("in_list", "module_unarmed", "module_armed", "step")
 Arms = dict[str, Callable[[], tuple[float, float]]]  # name -> one timed call: (wall, CPU) seconds
 
 
@@ -211,6 +214,25 @@ def per_call(fn: Callable[[], object], calls: int, device: Device = CPU) -> floa
     return min(timed(lambda: [fn() for _ in range(calls)], device) for _ in range(5)) / calls
 
 
+def added(base: Callable[[], object], variant: Callable[[], object], calls: int, device: Device = CPU,
+          within: Callable[[], Any] = contextlib.nullcontext) -> float:
+    """Seconds ``variant`` adds per call to ``base``: the median over 31 pairs of batches timed one
+    right after the other, in alternating order, so drift cancels (``variant`` runs ``within``)."""
+
+    def batch(fn: Callable[[], object], context: Callable[[], Any]) -> float:
+        with context():
+            return timed(lambda: [fn() for _ in range(calls)], device)
+
+    diffs = []
+    for r in range(31):
+        if r % 2:
+            base_s, variant_s = batch(base, contextlib.nullcontext), batch(variant, within)
+        else:
+            variant_s, base_s = batch(variant, within), batch(base, contextlib.nullcontext)
+        diffs.append(variant_s - base_s)
+    return median(diffs) / calls
+
+
 def check_costs(table: Table, calls: int, device: Device) -> dict[str, float]:
     """What a run adds per token, per module call and per denoising step, beside what the
     libraries' own mechanisms cost, each timed in isolation on this machine."""
@@ -224,20 +246,28 @@ def check_costs(table: Table, calls: int, device: Device) -> dict[str, float]:
         "criterion_full": per_call(lambda: full(ids, None), calls, device),
     }
     alone, both = StoppingCriteriaList([max_length]), StoppingCriteriaList([max_length, ours])
-    costs["in_list"] = per_call(lambda: both(ids, None), calls, device) - per_call(
-        lambda: alone(ids, None), calls, device
-    )
+    costs["in_list"] = added(lambda: alone(ids, None), lambda: both(ids, None), calls, device)
     block = device.place(torch.nn.Linear(8, 8))
     x = torch.zeros(1, 8, device=device.name, dtype=device.torch_dtype)
-    with torch.no_grad():
-        bare = per_call(lambda: block(x), calls, device)
+
+    def call() -> Any:
+        return block(x)
+
+    @contextlib.contextmanager
+    def unarmed() -> Iterator[None]:  # abort mode before any stop is possible
         with RunControl(stopcock.StopSignal(), mode="abort") as control, control.intercept():
-            costs["module_unarmed"] = per_call(lambda: block(x), calls, device) - bare
-        # armed, with a timeout not yet expired: what the last ARM_AHEAD seconds before it cost
+            yield
+
+    @contextlib.contextmanager
+    def armed() -> Iterator[None]:  # a timeout not yet expired: the last ARM_AHEAD seconds before it
         with RunControl(stopcock.timeout(3600), mode="abort") as control:
             with Tripwire(None, lambda _m: control.poll()) as wire:
                 wire.arm()
-                costs["module_armed"] = per_call(lambda: block(x), calls, device) - bare
+                yield
+
+    with torch.no_grad():
+        costs["module_unarmed"] = added(call, lambda: block(x), calls, device, unarmed)
+        costs["module_armed"] = added(call, lambda: block(x), calls, device, armed)
     costs.update(_step_costs(calls // 10, device))
     costs["block_hook"] = costs["module_unarmed"]  # what abort mode adds per block before a stop
     rows = [
@@ -260,7 +290,7 @@ def check_costs(table: Table, calls: int, device: Device) -> dict[str, float]:
          "every denoising step"),
     ]
     for what, key, paid in rows:
-        table.add(what, f"{costs[key] * 1e6:.2f}", paid)
+        table.add(what, f"{costs[key] * 1e6:.2f}", "difference" if key in DIFFERENCES else "best of 5", paid)
     return costs
 
 
@@ -273,9 +303,12 @@ def _step_costs(calls: int, device: Device) -> dict[str, float]:
     g = torch.Generator().manual_seed(0)
     latents, noise = (torch.randn(1, 4, 8, 8, generator=g).to(device.name, device.torch_dtype) for _ in "ab")
     t = scheduler.timesteps[5]
-    bare = per_call(lambda: scheduler.step(noise, t, latents), calls, device)
-    with stopcock.attach(pipe, stopcock.StopSignal()):
-        wrapped = per_call(lambda: scheduler.step(noise, t, latents), calls, device)
+
+    def attached() -> Any:
+        return stopcock.attach(pipe, stopcock.StopSignal())
+
+    wrapped = added(lambda: scheduler.step(noise, t, latents), lambda: scheduler.step(noise, t, latents),
+                    calls, device, attached)
     callback, inputs = _interrupt_callback(), ["latents"]
 
     def native_step(i: int = 5) -> Any:  # the lines of StableDiffusionPipeline.__call__'s loop
@@ -285,7 +318,7 @@ def _step_costs(calls: int, device: Device) -> dict[str, float]:
         outputs = callback(pipe, i, t, callback_kwargs)
         return outputs.pop("latents", latents)
 
-    return {"step": wrapped - bare, "native_step": per_call(native_step, calls, device)}
+    return {"step": wrapped, "native_step": per_call(native_step, calls, device)}
 
 
 # -- host-device synchronisations (CUDA) ----------------------------------------------------------------
@@ -323,7 +356,7 @@ def run(quick: bool = False, device: Device = CPU) -> Section:
                "CPU-time ratio of the fastest tenth"]
     text = Table("Text generation: tokens/s, greedy, batch 1", [c.format(unit="tokens") for c in columns])
     image = Table("Denoising: steps/s of the whole call", [c.format(unit="steps") for c in columns])
-    checks = Table("Cost of one call, timed directly (best of 5 batches)", ["what", "µs per call", "paid"])
+    checks = Table("Cost of one call, timed directly", ["what", "µs per call", "timed as", "paid"])
     syncs = Table(
         "Host-device synchronisations (CUDA sync debug mode): per call at n and 2n steps",
         ["model", "call", "syncs, n steps", "syncs, 2n steps", "added by stopcock per step"],
@@ -410,10 +443,11 @@ def run(quick: bool = False, device: Device = CPU) -> Section:
             " call) and diffusers' `callback_on_step_end` in the direct timings. Any criterion, the"
             " library's own included, also costs generate's `StoppingCriteriaList` one tensor OR per"
             " token, counted in the in-list figure.",
-            "Before a stop is possible abort mode installs nothing in the model (the module-call cost"
-            " is the difference of two timings of the same bare call, so it scatters around 0); once a"
-            " stop is requested, every module call pays the armed cost until the abort, one module call"
-            " later.",
+            "Direct timings: *best of 5* batches of calls, or, for what a run adds to a call (*difference*),"
+            " the median over 31 pairs of batches with and without it, timed back to back in alternating"
+            " order. Before a stop is possible abort mode installs nothing (its module-call figure times"
+            " the same bare call twice, so it scatters around 0); once a stop is requested, every module"
+            " call pays the armed cost until the abort, one module call later.",
             "Host-device synchronisations are counted on CUDA only (`--device cuda`)." if not device.cuda
             else "A per-call constant (the row reasons read at the end of a run) cancels out of the"
             " per-step figure.",
