@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from .conditions import (
     Condition,
@@ -85,27 +85,28 @@ class Watch:
 
     @classmethod
     def of(cls, condition: Condition | None) -> Watch:
-        if condition is None:
-            return cls()
-        leaves = list(condition.parts())
-        kinds = {Signalled, Timeout, Deadline, MaxSteps, StopStrings, When}
-        own = any(type(leaf) not in kinds for leaf in leaves)
+        signals: dict[StopSignal, None] = {}  # each once, in order
+        timeouts: list[float] = []
+        deadlines: list[float] = []
+        max_steps, every_step, own = math.inf, False, False
+        for leaf in () if condition is None else condition.parts():
+            # by exact class: a subclass may check differently
+            if type(leaf) is Signalled:
+                signals[leaf.signal] = None
+            elif type(leaf) is Timeout:
+                timeouts.append(leaf.seconds)
+            elif type(leaf) is Deadline:
+                deadlines.append(leaf.when)
+            elif type(leaf) is MaxSteps:
+                max_steps = min(max_steps, leaf.n)
+            elif type(leaf) is When:
+                every_step = True
+            elif type(leaf) is not StopStrings:
+                own = True
         return cls(
-            signals=tuple(dict.fromkeys(leaf.signal for leaf in _exactly(leaves, Signalled))),
-            timeouts=tuple(leaf.seconds for leaf in _exactly(leaves, Timeout)),
-            deadlines=tuple(leaf.when for leaf in _exactly(leaves, Deadline)),
-            max_steps=min((leaf.n for leaf in _exactly(leaves, MaxSteps)), default=math.inf),
-            every_step=own or bool(_exactly(leaves, When)),
-            in_forward=own,
+            signals=tuple(signals), timeouts=tuple(timeouts), deadlines=tuple(deadlines),
+            max_steps=max_steps, every_step=every_step or own, in_forward=own,
         )
-
-
-C = TypeVar("C", bound=Condition)
-
-
-def _exactly(leaves: list[Condition], cls: type[C]) -> list[C]:
-    """The leaves of exactly this class (a subclass may check differently)."""
-    return [leaf for leaf in leaves if type(leaf) is cls]  # type: ignore[misc]
 
 
 def _grace(seconds: float | None, mode: str) -> float | None:

@@ -26,6 +26,7 @@ Users' own ``callback_on_step_end`` / legacy ``callback`` arguments are left unt
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import threading
@@ -151,7 +152,8 @@ class _StepWrapper:
         self.binding = binding
         self.original = scheduler.step  # bound method (or an outer wrapper)
         # Pipelines inspect step()'s parameters to decide whether to pass generator= and eta=.
-        self.__signature__ = inspect.signature(self.original)
+        self.__signature__ = _signature(self.original)
+        self._positional = _positional_names(self.__signature__)
         self.owner = threading.get_ident()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -163,13 +165,39 @@ class _StepWrapper:
     def named(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:
         """(model_output, timestep, sample) of a call, by name: not every step() takes them first
         (CogVideoX's DPM)."""
-        named = self.__signature__.bind(*args, **kwargs).arguments
+        # the call was valid (step() took it), so its positional arguments fill the first parameters
+        named = {**dict(zip(self._positional, args, strict=False)), **kwargs}
         return named.get("model_output"), named.get("timestep"), named.get("sample")
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         copy = memo.get(id(self.scheduler))
         # A copy of the scheduler (e.g. LTX-2's audio scheduler) steps itself, unobserved.
         return self if copy is None else type(copy).step.__get__(copy)
+
+
+def _signature(step: Any) -> inspect.Signature:
+    """``inspect.signature(step)``; a bound method's is read once per function (the same for every
+    instance), as every run wraps each scheduler's step afresh."""
+    func = getattr(step, "__func__", None)
+    if func is None or getattr(step, "__self__", None) is None:
+        return inspect.signature(step)
+    found = _step_signatures.get(func)
+    if found is None:
+        found = _step_signatures[func] = inspect.signature(step)
+    return found
+
+
+_step_signatures: dict[Any, inspect.Signature] = {}  # a step function -> its signature as a bound method
+
+
+def _positional_names(signature: inspect.Signature) -> tuple[str, ...]:
+    """The names that positional arguments bind to, in order (up to a ``*args``)."""
+    names = []
+    for p in signature.parameters.values():
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            break
+        names.append(p.name)
+    return tuple(names)
 
 
 # -- the binding ------------------------------------------------------------------------------------
@@ -198,11 +226,13 @@ class _Binding:
         self._stack = ExitStack()
 
     # components
+    @functools.cached_property
     def _components(self) -> dict[str, Any]:
+        """Read once per run (diffusers builds ``components`` from the class signature each time)."""
         return {name: c for name, c in dict(self.pipe.components).items() if c is not None}
 
     def _models(self) -> dict[str, torch.nn.Module]:
-        return {n: c for n, c in self._components().items() if isinstance(c, torch.nn.Module)}
+        return {n: c for n, c in self._components.items() if isinstance(c, torch.nn.Module)}
 
     def denoisers(self) -> list[torch.nn.Module]:
         """The denoising models, found by component name (unet, transformer, prior, decoder, ...)."""
@@ -213,7 +243,7 @@ class _Binding:
         ]
 
     def schedulers(self) -> list[Any]:
-        return list({id(c): c for c in self._components().values() if isinstance(c, SchedulerMixin)}.values())
+        return list({id(c): c for c in self._components.values() if isinstance(c, SchedulerMixin)}.values())
 
     # install / remove
     def __enter__(self) -> _Binding:
@@ -382,10 +412,14 @@ def _reject_generate_args(pipe: Any, kwargs: dict[str, Any]) -> None:
         )
 
 
-def _declared_inputs(cls: type, blocks: Any) -> set[str]:
+def _declared_inputs(cls: type, blocks: Any) -> frozenset[str]:
     """The inputs a pipeline names: its ``__call__`` parameters, or a modular pipeline's block inputs."""
-    declared = set(inspect.signature(cls.__call__).parameters)
-    return declared | set(getattr(blocks, "input_names", ()))
+    return _call_parameters(cls) | set(getattr(blocks, "input_names", ()))
+
+
+@functools.cache
+def _call_parameters(cls: type) -> frozenset[str]:
+    return frozenset(inspect.signature(cls.__call__).parameters)
 
 
 def _planned_steps(kwargs: dict[str, Any]) -> int | None:

@@ -17,7 +17,8 @@ stop between items (or batches), keeping the results done so far.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+import weakref
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -69,12 +70,9 @@ class _RunCriteria(StoppingCriteria):
         if strings is not None:
             # generate pads the rows a criterion ends early only when some criterion has this attribute
             self.eos_token_id = pad_token_id
-        eos = list(eos_token_ids or ())
-        self.eos = torch.tensor(eos, dtype=torch.long)
+        self.eos = frozenset(eos_token_ids or ())
         # what follows a row's last real token: pads, eos, or -1 (beam search without a pad)
-        self.fill = torch.tensor(
-            [-1, *eos, *([] if pad_token_id is None else [pad_token_id])], dtype=torch.long
-        )
+        self.fill = self.eos | {-1, *([] if pad_token_id is None else [pad_token_id])}
         self.rows_per_item = rows_per_item
         self.max_new_tokens = max_new_tokens
         self.max_length = max_length
@@ -150,21 +148,24 @@ class _RunCriteria(StoppingCriteria):
         return ids
 
     def reasons(self, sequences: torch.Tensor) -> list[str]:
-        """Why each returned row ended, read from the row itself and the run's state."""
+        """Why each returned row ended, read from the row itself and the run's state.
+
+        The new tokens are read in one copy to the host (one transfer, one sync on a GPU), then in
+        Python: a handful of tensor operations per row would cost more than the whole read.
+        """
         out = []
-        fill = self.fill.to(sequences.device)
-        for row in sequences:
-            new = row[self.prompt_len :]
-            real = (~torch.isin(new, fill)).nonzero()
-            kept = int(real[-1]) + 1 if len(real) else 0
+        for i, new in enumerate(sequences[:, self.prompt_len :].tolist()):
+            kept = len(new)
+            while kept and new[kept - 1] in self.fill:
+                kept -= 1
             hit = (
                 self.strings is not None
                 and kept
-                and bool(self.strings(row[None, : self.prompt_len + kept], None))
+                and bool(self.strings(sequences[i : i + 1, : self.prompt_len + kept], None))
             )
             if hit:
                 out.append("stop_string")
-            elif torch.isin(new, self.eos.to(new.device)).any():
+            elif not self.eos.isdisjoint(new):
                 out.append("eos")
             elif self.limit is not None and kept >= self.limit:
                 out.append("length")
@@ -360,6 +361,58 @@ def _many(inputs: Any) -> tuple[Iterable[Any], int | None] | None:
     return None
 
 
+#: The generation settings a criterion reads (max_length also decides whether a pipeline's default
+#: max_new_tokens applies).
+_READ = ("eos_token_id", "pad_token_id", "num_beams", "max_new_tokens", "max_length")
+_UNSET = object()
+_prepared: weakref.WeakKeyDictionary[Pipeline, dict[Hashable, _Settings]] = weakref.WeakKeyDictionary()
+
+
+def _pipeline_settings(pipe: Pipeline, kwargs: dict[str, Any]) -> _Settings:
+    """What a text-generation pipeline passes to generate, for the settings a criterion reads.
+
+    The pipeline prepares them (the call's kwargs over those given at init, and its own defaults for
+    what neither these nor the generation config set) by serialising the generation config twice,
+    tens of µs a call; the result is kept per pipeline, keyed by every value it depends on: each read
+    setting in the kwargs, in the generation configs and in the pipeline's defaults.
+    """
+    merged = kwargs if "generation_config" in kwargs else {**pipe._generate_kwargs, **kwargs}
+    configs = (pipe.model.generation_config, merged.get("generation_config"))
+    defaults = getattr(pipe, "_generation_defaults", {})
+    key = (
+        "generation_config" in kwargs,
+        *(_hashable(source.get(name, _UNSET)) for source in (merged, defaults) for name in _READ),
+        *(_hashable(getattr(config, name, _UNSET)) for config in configs for name in _READ),
+    )
+    known = _prepared.setdefault(pipe, {})
+    try:
+        found = known.get(key)
+    except TypeError:  # a value that cannot be a key: prepared afresh each call
+        return _prepare(pipe, kwargs)
+    if found is None:
+        found = _prepare(pipe, kwargs)
+        if len(known) >= 32:
+            known.clear()
+        known[key] = found
+    return found
+
+
+def _prepare(pipe: Pipeline, kwargs: dict[str, Any]) -> _Settings:
+    """The read settings, as the pipeline prepares generate's kwargs."""
+    prepare = getattr(pipe, "_prepare_generate_kwargs", lambda kw: {**pipe._generate_kwargs, **kw})
+    settings = _Settings(prepare(dict(kwargs)), pipe.model)
+    return _Settings({name: settings.get(name) for name in _READ}, None)
+
+
+def _hashable(value: Any) -> Any:
+    """``value`` as a key compared by value (a tensor or list of token ids by its ids)."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.flatten().tolist()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    return value
+
+
 def _pipeline_criteria(
     pipe: Pipeline, kwargs: dict[str, Any], control: RunControl
 ) -> tuple[_RunCriteria | None, dict[str, Any]]:
@@ -367,9 +420,7 @@ def _pipeline_criteria(
     if not isinstance(pipe, TextGenerationPipeline):
         refuse_row_conditions(control.condition, f"a {type(pipe).__name__}")
         return None, kwargs
-    # what the pipeline passes to generate: the call's kwargs over those given at init, and its defaults
-    prepare = getattr(pipe, "_prepare_generate_kwargs", lambda kw: {**pipe._generate_kwargs, **kw})
-    criteria = _make_criteria(control, pipe.tokenizer, _Settings(prepare(dict(kwargs)), pipe.model))
+    criteria = _make_criteria(control, pipe.tokenizer, _pipeline_settings(pipe, kwargs))
     # criteria given at init live in the pipeline's forward params; the call's replace them there
     user = kwargs.get("stopping_criteria", getattr(pipe, "_forward_params", {}).get("stopping_criteria"))
     return criteria, {**kwargs, "stopping_criteria": _with_ours(user, criteria)}
