@@ -77,6 +77,7 @@ class Config:
     image_target: float
     rounds: Rounds
     check_calls: int
+    fixed_calls: int  # rounds of the fixed-cost timing of a text call (an image call: a fifth of them)
 
 
 QUICK = Config(
@@ -85,6 +86,7 @@ QUICK = Config(
     image_target=0.995,
     rounds=Rounds(least=2, most=2, budget_s=0),
     check_calls=200,
+    fixed_calls=5,
 )
 FULL = Config(
     text=(TextCase((2, 64, 2), 64, 0.995, pipeline=True), TextCase((12, 384, 6), 16, 0.999)),
@@ -92,6 +94,7 @@ FULL = Config(
     image_target=0.995,
     rounds=Rounds(least=60, most=1000, budget_s=240),
     check_calls=20000,
+    fixed_calls=300,
 )
 
 #: Costs timed as what a variant adds to a base call (paired batches, median), not on their own.
@@ -321,6 +324,54 @@ def _step_costs(calls: int, device: Device) -> dict[str, float]:
     return {"step": wrapped, "native_step": per_call(native_step, calls, device)}
 
 
+# -- the fixed cost of a call of run() ------------------------------------------------------------------
+def outside_forwards(call: Callable[[], object]) -> float:
+    """Host seconds of ``call()`` outside its model forwards: before the first module call starts
+    and after the last one returns (setting up, routing arguments, reading the result)."""
+    marks: list[float] = []
+
+    def first(_module: torch.nn.Module, _args: Any) -> None:
+        if not marks:
+            marks.append(time.perf_counter())
+
+    def last(_module: torch.nn.Module, _args: Any, _out: Any) -> None:
+        marks[1:] = [time.perf_counter()]
+
+    pre = torch.nn.modules.module.register_module_forward_pre_hook(first)
+    post = torch.nn.modules.module.register_module_forward_hook(last)
+    try:
+        start = time.perf_counter()
+        call()
+        end = time.perf_counter()
+    finally:
+        pre.remove()
+        post.remove()
+    return (marks[0] - start) + (end - marks[1])
+
+
+def fixed_costs(table: Table, what: str, plain: Callable[..., Any], args: tuple[Any, ...],
+                kwargs: Callable[[], dict[str, Any]], calls: int, target: Any = None) -> dict[str, float]:
+    """The plain call's own time outside its forwards (the anchor), and what ``run`` on ``target``
+    (default ``plain``) adds to it in each mode: medians over ``calls`` rounds in rotating order."""
+
+    def with_run(mode: str) -> float:
+        stop = stopcock.StopSignal()
+        call = target or plain
+        return outside_forwards(lambda: stopcock.run(call, *args, stop=stop, mode=mode, **kwargs()))
+
+    times = interleaved({"plain": lambda: outside_forwards(lambda: plain(*args, **kwargs())),
+                         "finish": lambda: with_run("finish"), "abort": lambda: with_run("abort")}, calls)
+    found = {"plain": median(times["plain"])}
+    for mode in ("finish", "abort"):
+        found[mode] = median([t - p for p, t in zip(times["plain"], times[mode], strict=True)])
+    table.add(f"{what}: the plain call's own work outside the model forwards (the anchor)",
+              f"{found['plain'] * 1e6:.1f}", "median", "every call")
+    for mode in ("finish", "abort"):
+        table.add(f"{what}: what `run`, mode={mode}, adds outside the forwards (binding before the first,"
+                  " the Outcome after the last)", f"{found[mode] * 1e6:.1f}", "difference", "every call")
+    return found
+
+
 # -- host-device synchronisations (CUDA) ----------------------------------------------------------------
 def count_syncs(fn: Callable[[], object]) -> int:
     """How many synchronising CUDA operations ``fn()`` makes (torch's sync debug mode)."""
@@ -361,12 +412,29 @@ def run(quick: bool = False, device: Device = CPU) -> Section:
         "Host-device synchronisations (CUDA sync debug mode): per call at n and 2n steps",
         ["model", "call", "syncs, n steps", "syncs, 2n steps", "added by stopcock per step"],
     )
-    data: dict[str, Any] = {"text": {}, "image": {}, "implied": {}, "syncs": {}, "resolution": {}}
+    data: dict[str, Any] = {
+        "text": {}, "image": {}, "implied": {}, "syncs": {}, "resolution": {}, "fixed": {},
+    }
     costs = data["costs"] = check_costs(checks, config.check_calls, device)
     data["checks"] = {key: costs[key] for key in ("step", "criterion", "block_hook")}
     implied = Table(
-        "Per-token overhead implied by the direct timings (generate)",
-        ["model", "plain ms per token", "stopcock per token, before a stop (finish and abort)", "share"],
+        "Overhead per call implied by the direct timings (generate)",
+        ["model", "tokens", "plain ms per token", "stopcock per token, before a stop (finish and abort)",
+         "`run` per call outside the forwards (finish / abort)", "share per token",
+         "share in all (finish / abort)"],
+    )
+    first = config.text[0]  # the smallest model: nothing in a run's fixed cost depends on the model's size
+    model, tokenizer = text_model(*first.shape, device=device)
+    ids = prompt_ids(tokenizer, 16, device)
+    two = {"max_new_tokens": 2, "min_new_tokens": 2, "do_sample": False}
+    name = f"GPT-2 {first.shape[0]}x{first.shape[1]}, 2 new tokens"
+    fixed = data["fixed"]["generate"] = fixed_costs(
+        checks, f"`model.generate` ({name})", model.generate, (ids,), lambda: two, config.fixed_calls, model
+    )
+    pipe = pipeline("text-generation", model=model, tokenizer=tokenizer, device=model.device)
+    data["fixed"]["pipeline"] = fixed_costs(
+        checks, f"text-generation pipeline ({name})", pipe, (tokenizer.decode(ids[0]),), lambda: two,
+        config.fixed_calls,
     )
     for case in config.text:
         model, tokenizer = text_model(*case.shape, device=device)
@@ -385,10 +453,16 @@ def run(quick: bool = False, device: Device = CPU) -> Section:
         data["text"][label], data["resolution"][label] = compare(
             text, label, case.new_tokens, model_arms(case.new_tokens), case.target, config.rounds
         )
-        per_token = data["text"][label][PLAIN]["seconds"] / case.new_tokens
+        call_s = data["text"][label][PLAIN]["seconds"]
+        per_token = call_s / case.new_tokens
         share = (costs["in_list"] + costs["module_unarmed"]) / per_token
-        data["implied"][label] = {"finish": costs["in_list"] / per_token, "abort": share}
-        implied.add(label, f"{per_token * 1e3:.3f}", f"{costs['in_list'] * 1e6:.2f} µs", f"{share:.3%}")
+        in_all = {m: share + fixed[m] / call_s for m in ("finish", "abort")}
+        data["implied"][label] = {"per_token": share, **in_all}
+        implied.add(
+            label, case.new_tokens, f"{per_token * 1e3:.3f}", f"{costs['in_list'] * 1e6:.2f} µs",
+            f"{fixed['finish'] * 1e6:.0f} / {fixed['abort'] * 1e6:.0f} µs", f"{share:.3%}",
+            f"{in_all['finish']:.3%} / {in_all['abort']:.3%}",
+        )
         if device.cuda:
             data["syncs"][label] = sync_rows(syncs, label, 8, model_arms)
         if case.pipeline:
@@ -411,6 +485,11 @@ def run(quick: bool = False, device: Device = CPU) -> Section:
     label = "tiny SD 64x64, DDIM"
     data["image"][label], data["resolution"][label] = compare(
         image, label, config.image_steps, image_arms(config.image_steps), config.image_target, config.rounds
+    )
+    data["fixed"]["image"] = fixed_costs(
+        checks, f"{label} pipeline (2 steps)", sd, ("a red fox",),
+        lambda: {"num_inference_steps": 2, "generator": torch.Generator().manual_seed(0)},
+        max(2, config.fixed_calls // 5),
     )
     if device.cuda:
         data["syncs"][label] = sync_rows(syncs, label, 4, image_arms)
@@ -448,6 +527,12 @@ def run(quick: bool = False, device: Device = CPU) -> Section:
             " order. Before a stop is possible abort mode installs nothing (its module-call figure times"
             " the same bare call twice, so it scatters around 0); once a stop is requested, every module"
             " call pays the armed cost until the abort, one module call later.",
+            "Fixed cost per call: the host time of a call outside its model forwards (before the first"
+            " module call starts, after the last one returns), timed with a global forward pre-hook and hook,"
+            " for the plain call (what the library itself does there: the anchor) and for `run`, whose figure"
+            f" is what it adds (median over {config.fixed_calls} rounds in rotating order; an image call over"
+            " a fifth of them). It is paid once per call, whatever its length: the implied-overhead table"
+            " adds it to the per-token cost at the throughput tables' token counts.",
             "Host-device synchronisations are counted on CUDA only (`--device cuda`)." if not device.cuda
             else "A per-call constant (the row reasons read at the end of a run) cancels out of the"
             " per-step figure.",
@@ -500,6 +585,16 @@ def _headline(data: dict[str, Any]) -> list[str]:
         f" `scheduler.step` {c['step'] * 1e6:.2f} µs per step against {c['native_step'] * 1e6:.2f} µs for"
         f" diffusers' `callback_on_step_end`; abort mode before a stop {c['module_unarmed'] * 1e6:.2f} µs"
         f" per module call (nothing installed), {c['module_armed'] * 1e6:.2f} µs once armed."
+    )
+    f = data["fixed"]
+    lines.append(
+        "Fixed cost of a call of `run` itself (outside the model forwards, finish / abort), beside the plain"
+        " call's own: " + "; ".join(
+            f"{what} {f[key]['finish'] * 1e6:.0f} / {f[key]['abort'] * 1e6:.0f} µs against"
+            f" {f[key]['plain'] * 1e6:.0f} µs"
+            for key, what in (("generate", "`generate`"), ("pipeline", "text-generation pipeline"),
+                              ("image", "tiny SD pipeline")) if key in f
+        ) + "."
     )
     for label, found in data["syncs"].items():
         added = ", ".join(f"{name.split('=')[-1]} {v['per_step']:+.2f}" for name, v in found.items()

@@ -126,11 +126,12 @@ def _remaining_steps(scheduler: Any, timestep: Any) -> int | None:
     timesteps = getattr(scheduler, "timesteps", None)
     if not isinstance(timesteps, torch.Tensor) or timesteps.ndim != 1 or timestep is None:
         return None
-    t = torch.as_tensor(timestep, device=timesteps.device, dtype=timesteps.dtype).flatten()
+    t = torch.as_tensor(timestep, dtype=timesteps.dtype)
     if t.numel() != 1:
         return None
-    hits = (timesteps == t).nonzero()
-    return len(timesteps) - int(hits[0]) if len(hits) else None
+    schedule = timesteps.tolist()  # one copy to the host, then compared in Python: cheaper than kernels
+    value = t.item()
+    return len(schedule) - schedule.index(value) if value in schedule else None
 
 
 def _cut_short(remaining: int | None, planned: object) -> int | None:
