@@ -324,3 +324,28 @@ def test_a_condition_of_your_own_is_armed_from_the_start(text_model, tokenizer):
         handle.remove()
     assert counts[0] == 1  # armed before the first forward
     assert (outcome.reason, outcome.steps, outcome.mode) == ("mine", 2, "abort")
+
+
+def test_a_pipelines_generate_settings_follow_its_generation_config(text_model_dir, tokenizer):
+    """A text pipeline's generate settings are prepared once per distinct value of what they depend
+    on: a change of the generation config, or of the call's arguments, is seen at the next run."""
+    from transformers import AutoModelForCausalLM, pipeline
+
+    model = AutoModelForCausalLM.from_pretrained(text_model_dir).eval()
+    pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    stop = stopcock.max_steps(2)
+    default = stopcock.run(pipe, "Hello", stop=stop, do_sample=False)  # the pipeline's max_new_tokens
+    again = stopcock.run(pipe, "Hello", stop=stop, do_sample=False)
+    model.generation_config.max_new_tokens = 5
+    from_config = stopcock.run(pipe, "Hello", stop=stop, do_sample=False)
+    from_call = stopcock.run(pipe, "Hello", stop=stop, do_sample=False, max_new_tokens=7)
+    model.generation_config.max_new_tokens = None
+    back = stopcock.run(pipe, "Hello", stop=stop, do_sample=False)
+    totals = [o.total_steps for o in (default, again, from_config, from_call, back)]
+    assert totals == [256, 256, 5, 7, 256]
+    ids = tokenizer("Hello", return_tensors="pt").input_ids
+    before = stopcock.run(pipe, "Hello", do_sample=False, max_new_tokens=3)
+    first = model.generate(ids, do_sample=False, max_new_tokens=1)[0, -1].item()
+    model.generation_config.eos_token_id = first  # the first token generated now ends the row
+    after = stopcock.run(pipe, "Hello", do_sample=False, max_new_tokens=3)
+    assert (before.row_reasons, after.row_reasons, after.steps) == (["length"], ["eos"], 1)

@@ -84,6 +84,7 @@ class _RunCriteria(StoppingCriteria):
         self.last_ids: torch.Tensor | None = None
         self.last_call_at: float | None = None
         self.row_reasons: list[str] = []
+        self._none_done: torch.Tensor | None = None
 
     def start(self) -> None:
         """A new generate call begins: close the previous one's rows (for pipelines).
@@ -104,11 +105,16 @@ class _RunCriteria(StoppingCriteria):
             self.prompt_len = input_ids.shape[1] - 1 if known is None else known
         self.new = input_ids.shape[1] - self.prompt_len
         self.last_ids = input_ids
-        # A plain bool applies to every row (StoppingCriteriaList ORs it into its tensor) and costs
-        # no tensor allocation, nor a device kernel, per token; only stop strings need a row tensor.
-        # While nothing can stop the run, the token is only counted (no StepState, no condition walk).
+        # While nothing can stop the run, the token is only counted (no StepState, no condition walk)
+        # and no row is done: the same all-False tensor each token, made at the first one (generate's
+        # StoppingCriteriaList ORs a tensor into its own faster than a Python bool, and never writes
+        # to it). A plain bool stands for every row in the other cases; only stop strings need rows.
         if self.strings is None and self.control.quiet_step(self.base + self.new):
-            return False  # type: ignore[return-value]
+            none = self._none_done
+            if none is None or none.shape[0] != input_ids.shape[0]:
+                rows = input_ids.shape[0]
+                none = self._none_done = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)
+            return none  # type: ignore[return-value]
         done: torch.Tensor | bool = False
         if self.strings is not None:
             self.last_call_at = time.monotonic()
