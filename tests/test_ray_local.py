@@ -37,8 +37,13 @@ async def wired(backend: Any, **registry_options: Any) -> tuple[RayEngine, JobRe
     registry = await construct(JobRegistry, {}, alive=lambda name: True, **registry_options)
     spec = ModelSpec(backend.kind, name=backend.name, factory=lambda: backend)
     replica = await construct(
-        ModelReplica, spec, concurrency=1, step_delay=0.01, torch_threads=None,
-        registry=LocalHandle(registry), name="replica-0",
+        ModelReplica,
+        spec,
+        concurrency=1,
+        step_delay=0.01,
+        torch_threads=None,
+        registry=LocalHandle(registry),
+        name="replica-0",
     )
     registry.models[backend.kind] = LocalHandle(replica)
     engine = RayEngine(LocalHandle(registry), {backend.kind: {"id": backend.name, "description": ""}})
@@ -121,8 +126,9 @@ def test_a_restarted_registry_reads_back_every_acknowledged_stop(tmp_path):
     journal = str(tmp_path / "registry.jsonl")
 
     async def before() -> None:
-        registry = await construct(JobRegistry, {"text": _Never()}, journal=journal, retain=2,
-                                   alive=lambda name: True)
+        registry = await construct(
+            JobRegistry, {"text": _Never()}, journal=journal, retain=2, alive=lambda name: True
+        )
         for name in ("queued", "tombstone", "claimed", "ended", "old-1", "old-2"):
             await registry.submit(name, text(50), OWNER, 1.0)
         await registry.claim("claimed", "r1")
@@ -136,15 +142,20 @@ def test_a_restarted_registry_reads_back_every_acknowledged_stop(tmp_path):
             job.emit("started")
             job.state, job.step, job.outcome = "completed", 50, {"steps": 50}
             job.emit("done", **job.view().to_json())
-            await registry.report("r1", [(name, e) for e in job.events if e is not None],
-                                  {name: job.view().to_json()}, {name: {"text": f"{name}!"}})
+            await registry.report(
+                "r1",
+                [(name, e) for e in job.events if e is not None],
+                {name: job.view().to_json()},
+                {name: {"text": f"{name}!"}},
+            )
 
     asyncio.run(before())
     sent = _Never()
 
     async def after() -> None:
-        registry = await construct(JobRegistry, {"text": sent}, journal=journal, retain=2,
-                                   alive=lambda name: True)
+        registry = await construct(
+            JobRegistry, {"text": sent}, journal=journal, retain=2, alive=lambda name: True
+        )
         assert registry.restored == 4
         tombstone = await registry.get("tombstone", OWNER)
         assert (tombstone.state, tombstone.reason, tombstone.started) == ("stopped", "user", None)

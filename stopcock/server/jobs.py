@@ -170,8 +170,17 @@ class Job:
         """Take the state of a view reported by the engine part that runs the job (not its id,
         kind or creation time, which this record knows)."""
         with self.lock:
-            for name in ("state", "step", "total", "reason", "stop_step", "started", "finished", "outcome",
-                         "error"):
+            for name in (
+                "state",
+                "step",
+                "total",
+                "reason",
+                "stop_step",
+                "started",
+                "finished",
+                "outcome",
+                "error",
+            ):
                 setattr(self, name, view[name])
         self.changes.bump()
 

@@ -108,8 +108,11 @@ def build(options: RayOptions) -> Any:
             **scaling,
         )(ModelReplica)
         handles[spec.kind] = deployment.bind(
-            spec, concurrency=options.concurrency, step_delay=options.step_delay,
-            torch_threads=options.torch_threads, registry_name=REGISTRY,
+            spec,
+            concurrency=options.concurrency,
+            step_delay=options.step_delay,
+            torch_threads=options.torch_threads,
+            registry_name=REGISTRY,
         )
     journal = None
     if options.journal_dir is not None:  # a new journal per deployment; a restarted registry reopens it
@@ -120,8 +123,12 @@ def build(options: RayOptions) -> Any:
         max_ongoing_requests=REGISTRY_MAX_ONGOING,
         ray_actor_options={"num_cpus": 0},
     )(JobRegistry).bind(
-        handles, queue_size=options.queue_size, retain=options.retain, stop_wait=options.stop_wait,
-        journal=journal, fsync=options.fsync,
+        handles,
+        queue_size=options.queue_size,
+        retain=options.retain,
+        stop_wait=options.stop_wait,
+        journal=journal,
+        fsync=options.fsync,
     )
     ingress = serve.deployment(
         name=INGRESS,
@@ -179,8 +186,21 @@ def app(args: Mapping[str, Any]) -> Any:
     folder or hub id; neither: both demo models), ``text_name``, ``image_name``, ``api_keys`` (a list)
     or ``api_keys_file``, ``concurrency``, ``queue_size``, ``retain``, ``stop_wait``, ``journal_dir``,
     ``fsync``, ``torch_threads``. Replicas, autoscaling and GPUs go in the config's ``deployments``."""
-    known = {"text_model", "image_model", "text_name", "image_name", "api_keys", "api_keys_file",
-             "concurrency", "queue_size", "retain", "stop_wait", "journal_dir", "fsync", "torch_threads"}
+    known = {
+        "text_model",
+        "image_model",
+        "text_name",
+        "image_name",
+        "api_keys",
+        "api_keys_file",
+        "concurrency",
+        "queue_size",
+        "retain",
+        "stop_wait",
+        "journal_dir",
+        "fsync",
+        "torch_threads",
+    }
     unknown = set(args) - known
     if unknown:
         raise ValueError(f"unknown stopcock application args: {sorted(unknown)}; known: {sorted(known)}")
@@ -191,17 +211,28 @@ def app(args: Mapping[str, Any]) -> Any:
         keys = read_keys(argparse.Namespace(api_keys_file=args["api_keys_file"], api_key=None))
     options: dict[str, Any] = {
         name: type_(args[name])
-        for name, type_ in [("concurrency", int), ("queue_size", int), ("retain", int), ("stop_wait", float),
-                            ("fsync", bool)]
+        for name, type_ in [
+            ("concurrency", int),
+            ("queue_size", int),
+            ("retain", int),
+            ("stop_wait", float),
+            ("fsync", bool),
+        ]
         if name in args
     }
     if "journal_dir" in args:
         options["journal_dir"] = args["journal_dir"]
     if args.get("torch_threads") is not None:
         options["torch_threads"] = int(args["torch_threads"])
-    return build(RayOptions(models=model_specs(args.get("text_model"), args.get("image_model"),
-                                               args.get("text_name"), args.get("image_name")),
-                            api_keys=keys, **options))
+    return build(
+        RayOptions(
+            models=model_specs(
+                args.get("text_model"), args.get("image_model"), args.get("text_name"), args.get("image_name")
+            ),
+            api_keys=keys,
+            **options,
+        )
+    )
 
 
 def model_specs(
@@ -238,8 +269,13 @@ def serve_forever(args: argparse.Namespace, keys: Sequence[str], step_delay: flo
 
     specs = model_specs(args.text_model, args.image_model)  # UserError before any cluster is started
     options = RayOptions(
-        models=specs, api_keys=list(keys), concurrency=args.concurrency, replicas=args.replicas,
-        queue_size=args.queue_size, step_delay=step_delay, ingress_replicas=args.ingress_replicas,
+        models=specs,
+        api_keys=list(keys),
+        concurrency=args.concurrency,
+        replicas=args.replicas,
+        queue_size=args.queue_size,
+        step_delay=step_delay,
+        ingress_replicas=args.ingress_replicas,
     )
     port = args.port or _free_port(args.host)
     started_here = args.ray_address is None

@@ -56,7 +56,14 @@ from .contract import (
 from .jobs import Job, finish, new_id, run_lane, since, summary_of_end, wait_final
 
 __all__ = [
-    "JobRegistry", "Journal", "LocalHandle", "ModelReplica", "ModelSpec", "RayEngine", "Refused", "construct"
+    "JobRegistry",
+    "Journal",
+    "LocalHandle",
+    "ModelReplica",
+    "ModelSpec",
+    "RayEngine",
+    "Refused",
+    "construct",
 ]
 
 log = logging.getLogger("stopcock.server.ray")
@@ -432,8 +439,14 @@ class JobRegistry:
             message = f"the queue is full ({self.queue_size} jobs waiting); try again later"
             return Refused("queue_full", message)
         record = _Record(Job(spec, owner, id=job_id, created=created), len(self._queued) + 1)
-        self._write("submit", id=job_id, owner=owner, spec=spec_to_json(spec), created=created,
-                    position=record.position)
+        self._write(
+            "submit",
+            id=job_id,
+            owner=owner,
+            spec=spec_to_json(spec),
+            created=created,
+            position=record.position,
+        )
         self._add(record)
         self._dispatches[job_id] = self._spawn(self._dispatch(record))
         return record.job.view()
@@ -461,6 +474,7 @@ class JobRegistry:
                 record.stop = reason
                 self._write("stop", id=job_id, reason=reason)
             if record.claimed_by is None:
+                record.job.request_stop(record.stop)  # its stop_step: the step it reached, none
                 self._end_here(record, "stopped", record.stop, "stopped while queued: it never ran")
             else:
                 with record.job.lock:
@@ -694,8 +708,13 @@ class JobRegistry:
     ) -> None:
         """End a job from the registry: it never started (a tombstone), or its replica is gone."""
         job = record.job
-        finish(job, state, reason, outcome=summary_of_end(state, reason, job.step, job.total, job.started,
-                                                          detail), error=error)
+        finish(
+            job,
+            state,
+            reason,
+            outcome=summary_of_end(state, reason, job.step, job.total, job.started, detail),
+            error=error,
+        )
         self._ended(record)
 
     def _ended(self, record: _Record) -> None:
@@ -760,8 +779,13 @@ class JobRegistry:
                         self._lost(replica, f"died ({type(exc).__name__})")
                     # else: unreachable for now, not dead; the watch decides if it stays silent
                 else:
-                    self._end_here(record, "failed", "error", "no model replica could take it",
-                                   error=f"{type(exc).__name__}: {exc}")
+                    self._end_here(
+                        record,
+                        "failed",
+                        "error",
+                        "no model replica could take it",
+                        error=f"{type(exc).__name__}: {exc}",
+                    )
                 return "failed"
             except (RayError, RayServeException) as exc:  # the call itself failed, not the pipeline
                 if not record.final:
@@ -817,6 +841,7 @@ class JobRegistry:
             elif record.claimed_by is not None:
                 self._claims[record.claimed_by].add(job_id)
             elif record.stop is not None:  # stopped unclaimed, and the registry died before writing the end
+                record.job.request_stop(record.stop)
                 self._end_here(record, "stopped", record.stop, "stopped while queued: it never ran")
             else:
                 self._dispatches[job_id] = self._spawn(self._dispatch(record))
@@ -833,8 +858,16 @@ class JobRegistry:
         for job_id in keep:
             record = self._jobs[job_id]
             job = record.job
-            entries.append({"op": "submit", "id": job_id, "owner": job.owner, "spec": spec_to_json(job.spec),
-                            "created": job.created, "position": record.position})
+            entries.append(
+                {
+                    "op": "submit",
+                    "id": job_id,
+                    "owner": job.owner,
+                    "spec": spec_to_json(job.spec),
+                    "created": job.created,
+                    "position": record.position,
+                }
+            )
             if record.claimed_by is not None:
                 entries.append({"op": "claim", "id": job_id, "replica": record.claimed_by})
             if record.stop is not None:
@@ -842,8 +875,9 @@ class JobRegistry:
             if record.journaled_end:
                 with job.lock:
                     done, result = len(job.events), job.result
-                entries.append({"op": "end", "id": job_id, "view": job.view().to_json(), "result": result,
-                                "done": done})
+                entries.append(
+                    {"op": "end", "id": job_id, "view": job.view().to_json(), "result": result, "done": done}
+                )
         return entries
 
 
@@ -1009,7 +1043,14 @@ class ModelReplica:
         applied: list[str] = []
         while True:
             stops, known = await _call(
-                self.registry, "poll", self.name, applied, list(self._jobs), self.peak, self.busy, POLL_S,
+                self.registry,
+                "poll",
+                self.name,
+                applied,
+                list(self._jobs),
+                self.peak,
+                self.busy,
+                POLL_S,
                 retry_for=None,
             )
             applied = []
@@ -1046,8 +1087,11 @@ class ModelReplica:
                 for i, (job_id, e) in enumerate(items)
                 if e.type != "preview" or last_preview[job_id] == i  # older previews are dropped anyway
             ]
-            views = {job_id: job.view().to_json() for job_id in {j for j, _ in items}
-                     if (job := self._jobs.get(job_id)) is not None}
+            views = {
+                job_id: job.view().to_json()
+                for job_id in {j for j, _ in items}
+                if (job := self._jobs.get(job_id)) is not None
+            }
             ended = [job_id for job_id, e in events if e.type == "done"]
             results = {job_id: self._jobs[job_id].result for job_id in ended if job_id in self._jobs}
             await _call(self.registry, "report", self.name, events, views, results, retry_for=None)
