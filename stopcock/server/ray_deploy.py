@@ -301,7 +301,7 @@ def serve_forever(args: argparse.Namespace, keys: Sequence[str], step_delay: flo
             threading.Event().wait()  # until Ctrl+C (KeyboardInterrupt)
         finally:
             registry: Any = serve.get_deployment_handle(REGISTRY, APP_NAME)
-            stopped = registry.shutdown.remote("shutdown").result(timeout_s=120)
+            stopped = registry.stop_all.remote("shutdown").result(timeout_s=120)
             print(f"stopcock serve: stopped {stopped} job(s); removing the application", file=sys.stderr)
             serve.delete(APP_NAME)
     finally:

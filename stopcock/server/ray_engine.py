@@ -283,7 +283,7 @@ class RayEngine:
         return counts
 
     async def aclose(self) -> None:
-        """Nothing to close: an ingress replica holds no job (stop them with :meth:`JobRegistry.shutdown`)."""
+        """Nothing to close: an ingress replica holds no job (stop them with :meth:`JobRegistry.stop_all`)."""
 
 
 # -- the journal -------------------------------------------------------------------------------------
@@ -540,8 +540,10 @@ class JobRegistry:
                 return False
         return self._validators[kind]
 
-    async def shutdown(self, reason: str = "shutdown", timeout: float = 60.0) -> int:
-        """Refuse new jobs, stop every job, wait (up to ``timeout`` s) for them to end; returns how many."""
+    async def stop_all(self, reason: str = "shutdown", timeout: float = 60.0) -> int:
+        """Refuse new jobs, stop every job, wait (up to ``timeout`` s) for them to end; returns how many.
+
+        (Not ``shutdown``: a Serve handle's own ``shutdown`` would hide it.)"""
         self._closing = True
         open_ = [r for r in self._jobs.values() if not r.final]
         for record in open_:
