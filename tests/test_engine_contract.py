@@ -493,3 +493,19 @@ def test_the_page_generates_and_stops(server, client):
     view = client.get(f"/v1/jobs/{job}").json()
     assert (view["state"], view["reason"], view["step"]) == ("stopped", "user", int(str(step)))
     assert within_one_step(view)
+
+
+def test_the_local_engine_path_never_imports_ray():
+    """Ray stays optional: the package, LocalEngine, the app and ``stopcock serve`` import no ray
+    (the Ray engine's modules import it only when they deploy or call it)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, stopcock.server, stopcock.server.engine, stopcock.server.app, stopcock.server.serve,"
+        " stopcock.server.ray_engine, stopcock.server.ray_deploy, stopcock.cli;"
+        " stopcock.server.serve.configure(__import__('argparse').ArgumentParser());"
+        " assert not [m for m in sys.modules if m == 'ray' or m.startswith('ray.')], 'ray was imported'"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

@@ -189,8 +189,10 @@ async def _call(handle: Any, method: str, *args: Any, retry_for: float | None = 
 
 
 def _detached(awaitable: Callable[[], Awaitable[Any]], keep: set[asyncio.Task[Any]]) -> asyncio.Task[Any]:
-    """Run ``awaitable()`` in a task outside the current request's context: Serve cancels a request's
-    calls to other deployments when its client goes away, and a stop must not be cancelled."""
+    """Run ``awaitable()`` in a task outside the current request's context: when a request is
+    cancelled (its client went away), Serve cancels the calls to other deployments made in its
+    context, and a stop, a job's dispatch or its run must not be cancelled with it. ``keep`` holds
+    the task until it is done."""
 
     async def run() -> Any:
         return await awaitable()
@@ -216,6 +218,7 @@ class RayEngine:
         self.models: Mapping[str, Mapping[str, str]] = {kind: dict(m) for kind, m in models.items()}
         self.retry_for = retry_for
         self._validators: dict[str, Any] = {}
+        self._validating = threading.Lock()
         self._detached: set[asyncio.Task[Any]] = set()
 
     async def _ask(self, method: str, *args: Any) -> Any:
@@ -232,13 +235,17 @@ class RayEngine:
             self._validators[kind] = None if blob is None else pickle.loads(blob)  # from our own replicas
         return self._validators[kind]
 
+    def _validate(self, validator: Any, spec: JobSpec) -> None:
+        with self._validating:  # one check at a time: a tokenizer is not meant for several threads
+            validator.validate(spec)
+
     async def submit(self, spec: JobSpec, owner: str) -> JobView:
         if spec.kind not in self.models:
             served = ", ".join(self.models)
             raise KindNotServed(f"this server has no {spec.kind} model; it serves: {served}")
         validator = await self._validator(spec.kind)
         if validator is not None:
-            await asyncio.to_thread(validator.validate, spec)
+            await asyncio.to_thread(self._validate, validator, spec)
         view: JobView = await self._ask("submit", new_id(), spec, owner, time.time())
         return view
 
@@ -415,10 +422,7 @@ class JobRegistry:
         self._spawn(self._watch())
 
     def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+        return _detached(lambda: coro, self._tasks)
 
     def _write(self, op: str, **fields: Any) -> None:
         if self.journal is not None:
@@ -984,9 +988,7 @@ class ModelReplica:
     # -- the request -------------------------------------------------------------------------------
     async def run(self, job_id: str, owner: str, spec: JobSpec) -> str:
         """Run one job: ``"ran"`` once its end was reported, ``"refused"`` if it may not start."""
-        task = asyncio.ensure_future(self._process(job_id, owner, spec))
-        self._processes.add(task)
-        task.add_done_callback(self._processes.discard)
+        task = _detached(lambda: self._process(job_id, owner, spec), self._processes)
         result: str = await asyncio.shield(task)
         return result
 
