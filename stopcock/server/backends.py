@@ -90,7 +90,9 @@ class TextBackend:
     def lane(self) -> TextLane:
         from transformers import pipeline
 
-        return TextLane(self, pipeline("text-generation", model=self.pipe.model, tokenizer=self.tokenizer))
+        model = self.pipe.model  # on the device it was moved to (the Ray engine's ModelSpec.device)
+        pipe = pipeline("text-generation", model=model, tokenizer=self.tokenizer, device=model.device)
+        return TextLane(self, pipe)
 
 
 class _Draw(LogitsProcessor):

@@ -39,6 +39,9 @@ INGRESS = "Ingress"
 #: Long polls (event streams, waits, the replicas' stop polls) each hold a request of the registry.
 REGISTRY_MAX_ONGOING = 100_000
 INGRESS_MAX_ONGOING = 1_000
+#: The registry's and model replicas' calls are internal (reports, long polls: thousands a second
+#: under load): no access log line for each. The ingress keeps Serve's access log of HTTP requests.
+QUIET = {"enable_access_log": False}
 
 
 def model_deployment(kind: str) -> str:
@@ -105,6 +108,7 @@ def build(options: RayOptions) -> Any:
             name=model_deployment(spec.kind),
             max_ongoing_requests=options.concurrency,
             ray_actor_options=dict(options.model_actor_options),
+            logging_config=QUIET,
             **scaling,
         )(ModelReplica)
         handles[spec.kind] = deployment.bind(
@@ -122,6 +126,7 @@ def build(options: RayOptions) -> Any:
         num_replicas=1,
         max_ongoing_requests=REGISTRY_MAX_ONGOING,
         ray_actor_options={"num_cpus": 0},
+        logging_config=QUIET,
     )(JobRegistry).bind(
         handles,
         queue_size=options.queue_size,
@@ -185,7 +190,8 @@ def app(args: Mapping[str, Any]) -> Any:
     stopcock.server.ray_deploy:app text_model=PATH``). ``args``: ``text_model``, ``image_model`` (a
     folder or hub id; neither: both demo models), ``text_name``, ``image_name``, ``api_keys`` (a list)
     or ``api_keys_file``, ``concurrency``, ``queue_size``, ``retain``, ``stop_wait``, ``journal_dir``,
-    ``fsync``, ``torch_threads``. Replicas, autoscaling and GPUs go in the config's ``deployments``."""
+    ``fsync``, ``torch_threads``, ``device`` (``auto``: a GPU when the replica has one). Replicas,
+    autoscaling and GPUs (``ray_actor_options``) go in the config's ``deployments``."""
     known = {
         "text_model",
         "image_model",
@@ -200,6 +206,7 @@ def app(args: Mapping[str, Any]) -> Any:
         "journal_dir",
         "fsync",
         "torch_threads",
+        "device",
     }
     unknown = set(args) - known
     if unknown:
@@ -224,15 +231,14 @@ def app(args: Mapping[str, Any]) -> Any:
         options["journal_dir"] = args["journal_dir"]
     if args.get("torch_threads") is not None:
         options["torch_threads"] = int(args["torch_threads"])
-    return build(
-        RayOptions(
-            models=model_specs(
-                args.get("text_model"), args.get("image_model"), args.get("text_name"), args.get("image_name")
-            ),
-            api_keys=keys,
-            **options,
-        )
+    specs = model_specs(
+        args.get("text_model"),
+        args.get("image_model"),
+        args.get("text_name"),
+        args.get("image_name"),
+        device=str(args.get("device", "auto")),
     )
+    return build(RayOptions(models=specs, api_keys=keys, **options))
 
 
 def model_specs(
@@ -240,6 +246,8 @@ def model_specs(
     image_model: str | None,
     text_name: str | None = None,
     image_name: str | None = None,
+    *,
+    device: str = "auto",
 ) -> list[ModelSpec]:
     """The kinds to serve, as ``stopcock serve`` picks them: the models given, or both demo models."""
     from ..loading import resolve_model
@@ -250,7 +258,7 @@ def model_specs(
         if demo or model is not None:
             if model is not None:
                 resolve_model(model, kind)  # a missing folder is a clear error here, not a failed replica
-            specs.append(ModelSpec(kind, model, name))
+            specs.append(ModelSpec(kind, model, name, device=device))
     return specs
 
 

@@ -96,13 +96,16 @@ class Refused:
 class ModelSpec:
     """One kind of model to serve: ``model`` is a folder or hub id (None: the built-in demo model),
     or ``factory`` builds the backend (any :class:`~stopcock.server.contract.Backend`; pickled to
-    the replicas). ``name`` and ``description`` are what ``/v1/models`` shows."""
+    the replicas). ``name`` and ``description`` are what ``/v1/models`` shows. ``device``: where a
+    built-in backend's model is moved once loaded (``auto``: ``cuda`` when the replica sees a GPU,
+    as with ``ray_actor_options={"num_gpus": 1}``, else ``cpu``); a factory places its own."""
 
     kind: str
     model: str | None = None
     name: str | None = None
     description: str | None = None
     factory: Callable[[], Backend] | None = None
+    device: str = "auto"  # where a built-in backend's model runs: auto (a GPU if Ray gave one), cpu, cuda...
 
     @property
     def served_name(self) -> str:
@@ -131,10 +134,18 @@ class ModelSpec:
         classes: dict[str, Any] = {"text": TextBackend, "image": ImageBackend}
         if self.kind not in classes:
             raise ValueError(f"no built-in {self.kind!r} backend: give a factory")
-        backend: Backend = classes[self.kind].load(
+        backend: Any = classes[self.kind].load(
             resolve_model(self.model, self.kind), self.served_name, self.served_description
         )
-        return backend
+        device = self.device
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device != "cpu":  # the lanes share the moved weights
+            (backend.pipe.model if self.kind == "text" else backend.pipe).to(device)
+        placed: Backend = backend
+        return placed
 
 
 def spec_to_json(spec: JobSpec) -> dict[str, Any]:
