@@ -175,10 +175,11 @@ def _view_from_json(data: Mapping[str, Any]) -> JobView:
 
 def _ray_errors() -> tuple[type[Exception], ...]:
     """The errors of a call whose callee died or could not be reached (worth asking again)."""
+    import ray.serve.exceptions as serve_errors
     from ray.exceptions import RayActorError
-    from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 
-    return (RayActorError, DeploymentUnavailableError, ReplicaUnavailableError)
+    names = ("DeploymentUnavailableError", "ReplicaUnavailableError")  # not in every Ray 2.x
+    return (RayActorError, *(getattr(serve_errors, n) for n in names if hasattr(serve_errors, n)))
 
 
 async def _call(handle: Any, method: str, *args: Any, retry_for: float | None = 60.0) -> Any:
