@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import secrets
+import shutil
 import socket
 import sys
 import tempfile
@@ -58,8 +58,10 @@ class RayOptions:
     kind: ``{"text": 2, "image": 1}``), or ``autoscaling``
     (Serve's ``autoscaling_config``, for every model deployment). ``model_actor_options``: Ray options
     of the model replicas (``{"num_gpus": 1}``). ``queue_size``, ``retain``, ``stop_wait``: as for
-    ``LocalEngine``. ``journal_dir``: where the registry keeps its journal, on the registry's node (a
-    shared or node-pinned folder survives a registry moving to another node); None: no journal.
+    ``LocalEngine``. ``journal_dir``: where the registry keeps its journal (``APP.jsonl``, after the
+    application's name), on the registry's node: a restarted or redeployed registry of the same
+    application reads it back (a shared or node-pinned folder survives the registry moving to another
+    node); None: no journal.
     ``step_delay``: the test-only per-step throttle. ``torch_threads``: torch threads per model
     replica (None: torch's default).
     """
@@ -118,9 +120,6 @@ def build(options: RayOptions) -> Any:
             torch_threads=options.torch_threads,
             registry_name=REGISTRY,
         )
-    journal = None
-    if options.journal_dir is not None:  # a new journal per deployment; a restarted registry reopens it
-        journal = str(Path(options.journal_dir) / f"registry-{secrets.token_hex(8)}.jsonl")
     registry = serve.deployment(
         name=REGISTRY,
         num_replicas=1,
@@ -132,7 +131,7 @@ def build(options: RayOptions) -> Any:
         queue_size=options.queue_size,
         retain=options.retain,
         stop_wait=options.stop_wait,
-        journal=journal,
+        journal_dir=options.journal_dir,
         fsync=options.fsync,
     )
     ingress = serve.deployment(
@@ -287,6 +286,8 @@ def serve_forever(args: argparse.Namespace, keys: Sequence[str], step_delay: flo
     )
     port = args.port or _free_port(args.host)
     started_here = args.ray_address is None
+    if started_here:  # the cluster lives as long as this command: so does its registry's journal
+        options.journal_dir = tempfile.mkdtemp(prefix="stopcock-ray-journal-")
     if started_here:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private cluster on this machine
         ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
@@ -316,3 +317,5 @@ def serve_forever(args: argparse.Namespace, keys: Sequence[str], step_delay: flo
         if started_here:
             serve.shutdown()
         ray.shutdown()
+        if started_here and options.journal_dir is not None:
+            shutil.rmtree(options.journal_dir, ignore_errors=True)

@@ -393,7 +393,8 @@ class JobRegistry:
     job are ordered, and a job stopped before any replica claimed it never starts. At most
     ``queue_size`` jobs wait for a replica; ``retain`` finished jobs are kept; a stop with ``wait``
     answers once the run returned, or after ``stop_wait`` seconds with the job still ``stopping``.
-    ``journal`` is the path of the journal (None: none, and a restart forgets everything).
+    ``journal`` is the path of the journal, or ``journal_dir`` the folder of one named after the
+    Serve application (None: none, and a restart forgets everything).
     """
 
     async def __init__(  # type: ignore[misc]
@@ -404,6 +405,7 @@ class JobRegistry:
         retain: int = 256,
         stop_wait: float = 30.0,
         journal: str | None = None,
+        journal_dir: str | None = None,
         fsync: bool = False,
         alive: Callable[[str], bool] | None = None,
     ) -> None:
@@ -429,6 +431,10 @@ class JobRegistry:
         self._closing = False
         self.refused_claims = 0
         self._started = time.monotonic()
+        if journal is None and journal_dir is not None:  # one journal per application, named after it
+            from ray import serve
+
+            journal = str(Path(journal_dir) / f"{serve.get_replica_context().app_name}.jsonl")
         self.journal = None if journal is None else Journal(journal, fsync=fsync)
         self.restored = self._restore() if self.journal is not None else 0
         self._spawn(self._watch())
