@@ -244,7 +244,8 @@ class RayEngine:
             blob = await self._ask("validator", kind, POLL_S * 6)
             if blob is False:
                 raise QueueFull(f"the {kind} model is not ready yet (no replica has started); try later")
-            self._validators[kind] = None if blob is None else pickle.loads(blob)  # from our own replicas
+            # pickled by our own model replicas (a tokenizer can take a while to unpickle: not on the loop)
+            self._validators[kind] = None if blob is None else await asyncio.to_thread(pickle.loads, blob)
         return self._validators[kind]
 
     def _validate(self, validator: Any, spec: JobSpec) -> None:
