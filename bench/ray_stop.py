@@ -115,7 +115,7 @@ def _ray(model: Path, replicas: int, step_delay: float) -> Iterator[tuple[str, A
             queue_size=64,
             torch_threads=1,
             step_delay=step_delay,
-            journal_dir=tempfile.mkdtemp(prefix="stopcock-bench-journal-"),
+            journal_dir=str(model.parent / "journal"),  # in the run's temporary folder
         )
         serve.run(build(options), name="stopcock-bench", route_prefix="/")
         yield f"http://127.0.0.1:{port}", serve.get_deployment_handle(REGISTRY, "stopcock-bench")
