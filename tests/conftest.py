@@ -93,3 +93,65 @@ def count_forwards():
     yield install
     for handle in handles:
         handle.remove()
+
+
+# -- Ray Serve: one local cluster per test session, for the Ray engine's tests ------------------------
+RAY_KEYS = ("alice-key", "bob-key")
+RAY_APP = "stopcock"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def ray_serve(text_model_dir, image_model_dir, tmp_path_factory):
+    """The stopcock application on Ray Serve, on a local cluster started here (and shut down at the end
+    of the session): the tiny models ("tiny-text": 2 replicas, "tiny-sd": 1), one pipeline per replica,
+    2 ingress replicas, a queue of 16, keys ``RAY_KEYS``, the test-only step throttle of 0.01 s.
+
+    Yields a namespace: ``url`` (the Serve proxy on 127.0.0.1), ``registry`` (a handle to the job
+    registry), ``options`` (the :class:`~stopcock.server.ray_deploy.RayOptions`)."""
+    pytest.importorskip("ray.serve")
+    import types
+
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # a private cluster: no token file
+    import ray
+    from ray import serve
+
+    from stopcock.server.ray_deploy import REGISTRY, RayOptions, build
+    from stopcock.server.ray_engine import ModelSpec
+
+    ray.init(
+        num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False,
+        configure_logging=False,
+    )
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        options = RayOptions(
+            models=[
+                ModelSpec("text", str(text_model_dir), "tiny-text", ""),
+                ModelSpec("image", str(image_model_dir), "tiny-sd", ""),
+            ],
+            api_keys=list(RAY_KEYS),
+            replicas={"text": 2, "image": 1},
+            ingress_replicas=2,
+            model_actor_options={"num_cpus": 0},
+            queue_size=16,
+            step_delay=0.01,
+            torch_threads=1,
+            journal_dir=str(tmp_path_factory.mktemp("ray-journal")),
+        )
+        serve.run(build(options), name=RAY_APP, route_prefix="/")
+        yield types.SimpleNamespace(
+            url=f"http://127.0.0.1:{port}", registry=serve.get_deployment_handle(REGISTRY, RAY_APP),
+            options=options,
+        )
+    finally:
+        serve.shutdown()
+        ray.shutdown()

@@ -80,10 +80,19 @@ class TextBackend:
                 f" model's context of {self.context} tokens; shorten the prompt or lower max_tokens"
             )
 
+    def validator(self) -> TextBackend:
+        """A copy without the model that checks jobs (:meth:`validate`) and cannot run them: light and
+        picklable (the tokenizer), for an engine that queues jobs away from the model."""
+        light = copy.copy(self)
+        light.pipe = None
+        return light
+
     def lane(self) -> TextLane:
         from transformers import pipeline
 
-        return TextLane(self, pipeline("text-generation", model=self.pipe.model, tokenizer=self.tokenizer))
+        model = self.pipe.model  # on the device it was moved to (the Ray engine's ModelSpec.device)
+        pipe = pipeline("text-generation", model=model, tokenizer=self.tokenizer, device=model.device)
+        return TextLane(self, pipe)
 
 
 class _Draw(LogitsProcessor):
@@ -168,8 +177,9 @@ class ImageBackend:
         self.name = name
         self.description = description
         self.takes = set(inspect.signature(pipe.__call__).parameters)
+        self.pipeline_class = type(pipe).__name__
         if "prompt" not in self.takes:
-            raise ValueError(f"{type(pipe).__name__} takes no prompt: serve a text-to-image pipeline")
+            raise ValueError(f"{self.pipeline_class} takes no prompt: serve a text-to-image pipeline")
 
     @classmethod
     def load(cls, model: str, name: str | None = None, description: str = "") -> ImageBackend:
@@ -189,13 +199,18 @@ class ImageBackend:
                 if value is not None:
                     kwargs[name] = value
             elif value != ImageParameters.model_fields[param].default:
-                raise InvalidJob(
-                    f"this image model ({type(self.pipe).__name__}) takes no {param}: leave it out"
-                )
+                raise InvalidJob(f"this image model ({self.pipeline_class}) takes no {param}: leave it out")
         return kwargs
 
     def validate(self, spec: JobSpec) -> None:
         self.call_kwargs(spec.params)
+
+    def validator(self) -> ImageBackend:
+        """A copy without the pipeline that checks jobs (:meth:`validate`) and cannot run them: light
+        and picklable, for an engine that queues jobs away from the model."""
+        light = copy.copy(self)
+        light.pipe = None
+        return light
 
     def lane(self) -> ImageLane:
         components = dict(self.pipe.components)

@@ -15,7 +15,7 @@ final view, with the Outcome summary).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -140,7 +140,11 @@ class Lane(Protocol):
 
 
 class Backend(Protocol):
-    """One kind of model: checks a job before it is queued, and builds a lane per worker."""
+    """One kind of model: checks a job before it is queued, and builds a lane per worker.
+
+    A backend may also have ``validator()``: a light, picklable copy that only validates, which an
+    engine that queues jobs away from the model uses (the built-in backends have one; without it,
+    the Ray engine checks a job on the model replica, and an invalid job fails instead of a 400)."""
 
     kind: str
     name: str
@@ -174,6 +178,9 @@ class Engine(Protocol):
 
     async def result(self, job_id: str, owner: str) -> dict[str, Any]: ...
 
-    def stats(self) -> dict[str, int]: ...
+    def stats(self) -> dict[str, int] | Awaitable[dict[str, int]]:
+        """Queue and worker counts: a dict, or an awaitable of one (an engine whose counts live
+        elsewhere, as the Ray engine's, which live in its registry)."""
+        ...
 
     async def aclose(self) -> None: ...

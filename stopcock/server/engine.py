@@ -15,16 +15,10 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from .._callbacks import Callbacks
-from .._wake import loop_waker
-from ..conditions import Condition
-from ..files import png_base64
-from ..outcome import Outcome
-from ..signal import StopSignal
-from ..state import StepState
+from . import jobs as _jobs
 from .contract import (
     FINAL_STATES,
     Backend,
@@ -39,6 +33,7 @@ from .contract import (
     QueueFull,
     RunContext,
 )
+from .jobs import Job as _Job
 
 __all__ = ["LocalEngine"]
 # The contract's names, importable from here as before (``stopcock.server.engine.Engine``).
@@ -46,159 +41,6 @@ __all__ += ["FINAL_STATES", "Backend", "Engine", "Event", "InvalidJob", "JobNotF
             "KindNotServed", "Lane", "QueueFull", "RunContext"]
 
 log = logging.getLogger("stopcock.server")
-
-class _Changes:
-    """A version counter that threads and event loops can wait on."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self.version = 0
-        self._wakers = Callbacks(self._cond)
-
-    def bump(self) -> None:
-        with self._cond:
-            self.version += 1
-            wakers = self._wakers.drain()
-            self._cond.notify_all()
-        for wake in wakers:
-            wake()
-
-    async def wait_past(self, version: int, timeout: float | None = None) -> None:
-        """Return once :attr:`version` exceeds ``version`` (or after ``timeout`` seconds)."""
-        future, wake = loop_waker()
-        with self._cond:
-            if self.version > version:
-                return
-            remove = self._wakers.add(wake)
-        try:
-            await asyncio.wait_for(future, timeout)
-        except asyncio.TimeoutError:
-            pass
-        finally:
-            remove()
-
-
-class _Job:
-    def __init__(self, spec: JobSpec, owner: str) -> None:
-        self.id = secrets.token_urlsafe(18)  # 144 random bits: unguessable
-        self.owner = owner
-        self.spec = spec
-        self.signal = StopSignal()
-        self.state = "queued"
-        self.step = 0
-        self.total: int | None = None
-        self.reason: str | None = None
-        self.stop_step: int | None = None  # the step the run had reached when a stop was first requested
-        self.created = time.time()
-        self.started: float | None = None
-        self.finished: float | None = None
-        self.outcome: dict[str, Any] | None = None
-        self.result: dict[str, Any] | None = None
-        self.error: str | None = None
-        self.events: list[Event | None] = []  # None: an older preview, dropped to bound memory
-        self.ended = False  # the done event has been emitted
-        self._last_preview: int | None = None
-        self.changes = _Changes()
-        self.lock = threading.Lock()
-
-    def emit(self, type_: str, **data: Any) -> None:
-        with self.lock:
-            if type_ == "preview":
-                if self._last_preview is not None:
-                    self.events[self._last_preview] = None
-                self._last_preview = len(self.events)
-            self.events.append(Event(len(self.events) + 1, type_, data))
-            self.ended = self.ended or type_ == "done"
-        self.changes.bump()
-
-    def reach(self, state: StepState) -> None:
-        with self.lock:
-            self.step, self.total = state.step, state.total
-
-    def request_stop(self, reason: str) -> None:
-        """Stop the job's signal, noting the step reached, under the lock that :class:`_Reached` takes:
-        the run's next check then either sees the stop or has reached ``stop_step`` first. So the run
-        ends at ``stop_step`` or ``stop_step + 1`` (the step in flight), never later."""
-        with self.lock:
-            if self.state not in FINAL_STATES and self.stop_step is None:
-                self.stop_step = self.step
-            if self.state == "running":
-                self.state = "stopping"
-            self.signal.stop(reason)  # its callbacks only forward the stop to the run: no lock taken
-
-    def view(self) -> JobView:
-        with self.lock:
-            return JobView(
-                id=self.id,
-                kind=self.spec.kind,
-                state=self.state,
-                step=self.step,
-                total=self.total,
-                reason=self.reason,
-                stop_step=self.stop_step,
-                created=self.created,
-                started=self.started,
-                finished=self.finished,
-                outcome=self.outcome,
-                error=self.error,
-            )
-
-
-class _Reached(Condition):
-    """Records the step at each check of the run, before the job's signal is checked (never stops
-    on its own): a stop request then reads the step the run has really reached (see
-    :meth:`_Job.request_stop`), not the one its ``on_step`` reported last."""
-
-    def __init__(self, job: _Job) -> None:
-        self._job = job
-
-    def check(self, state: StepState) -> str | None:
-        self._job.reach(state)
-        return None
-
-    def __repr__(self) -> str:
-        return "reached()"
-
-
-class _JobContext:
-    """The :class:`~stopcock.server.contract.RunContext` of one job run by this engine."""
-
-    def __init__(self, job: _Job, step_delay: float) -> None:
-        self._job = job
-        self.signal = job.signal
-        self.step_delay = step_delay
-
-    def stop(self, conditions: Iterable[Condition]) -> list[Condition | StopSignal]:
-        """The run's ``stop=``: the step recorder, the job's signal, then the job's own ``conditions``."""
-        return [_Reached(self._job), self.signal, *conditions]
-
-    def on_step(self, report: Callable[[StepState], None]) -> Callable[[StepState], None]:
-        """The ``on_step`` hook for the run: records the step, calls ``report(state)`` (text,
-        previews), emits ``progress``, then waits ``step_delay`` seconds (the test-only throttle)
-        unless stopped."""
-        job = self._job
-
-        def hook(state: StepState) -> None:
-            job.reach(state)  # also when a stop before its check kept _Reached from running
-            report(state)
-            job.emit("progress", step=state.step, total=state.total)
-            if self.step_delay:
-                self.signal.wait(self.step_delay)
-
-        return hook
-
-    def text(self, chunk: str, step: int) -> None:
-        if chunk:
-            self._job.emit("text", text=chunk, step=step)
-
-    def preview(self, image: Any, step: int) -> None:
-        """Publish a PIL image as the job's current preview."""
-        self._job.emit("preview", step=step, image=png_base64(image))
-
-    def set_result(self, **result: Any) -> None:
-        with self._job.lock:
-            self._job.result = result
-
 
 
 class LocalEngine:
@@ -304,17 +146,8 @@ class LocalEngine:
 
     async def events(self, job_id: str, owner: str, after: int = 0) -> AsyncIterator[Event]:
         """The job's events with ``seq > after``, as they come, up to ``done`` (none after it)."""
-        job = self._find(job_id, owner)
-        while True:
-            version = job.changes.version
-            with job.lock:
-                new = [e for e in job.events[after:] if e is not None]
-                after, ended = len(job.events), job.ended
-            for event in new:
-                yield event
-            if ended:
-                return
-            await job.changes.wait_past(version)
+        async for event in _jobs.events(self._find(job_id, owner), after):
+            yield event
 
     async def result(self, job_id: str, owner: str) -> dict[str, Any]:
         """The job's view and what it generated (None until it has ended)."""
@@ -361,15 +194,7 @@ class LocalEngine:
         return job
 
     async def _wait_final(self, job: _Job, timeout: float | None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            version = job.changes.version
-            if job.state in FINAL_STATES:
-                return
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return
-            await job.changes.wait_past(version, left)
+        await _jobs.wait_final(job, timeout)
 
     def _work(self, lanes: Mapping[str, Lane]) -> None:
         while True:
@@ -397,18 +222,9 @@ class LocalEngine:
                 )
                 self._finish(job, state, reason, outcome=summary, error=error)
 
-    def _run(self, job: _Job, lane: Lane) -> tuple[str, str, dict[str, Any] | None, str | None]:
+    def _run(self, job: _Job, lane: Lane) -> _jobs.Ended:
         """Run the job; returns its final state, reason, Outcome summary and error."""
-        job.emit("started")
-        try:
-            outcome = lane.execute(job.spec, _JobContext(job, self.step_delay))
-        except Exception as exc:  # the job reports it as failed; the worker lives on
-            log.exception("job %s failed", job.id)
-            return "failed", "error", None, f"{type(exc).__name__}: {exc}"
-        with job.lock:
-            job.step = outcome.steps
-            job.total = outcome.total_steps
-        return "stopped" if outcome.stopped else "completed", outcome.reason, outcome.summary(), None
+        return _jobs.run_lane(job, lane, self.step_delay)
 
     def _finish(
         self,
@@ -420,18 +236,7 @@ class LocalEngine:
         detail: str | None = None,
         error: str | None = None,
     ) -> None:
-        with job.lock:
-            if outcome is None:  # it never ran, or failed: say so in the same shape
-                outcome = Outcome.without_output(
-                    StepState(step=job.step, total=job.total),
-                    reason=reason,
-                    stopped=state == "stopped",
-                    elapsed=0.0 if job.started is None else time.time() - job.started,
-                    detail=detail or error,
-                ).summary()
-            job.state, job.reason, job.finished = state, reason, time.time()
-            job.outcome, job.error = outcome, error
-        job.emit("done", **job.view().to_json())
+        _jobs.finish(job, state, reason, outcome=outcome, detail=detail, error=error)
         with self._lock:
             self._finished.append(job.id)
             while len(self._finished) > self.retain:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -104,4 +105,7 @@ async def list_models(request: Request, who: Owner) -> dict[str, Any]:
 @jobs.get("/health")
 async def health(request: Request, who: Owner) -> dict[str, Any]:
     """Queue and worker counts."""
-    return {"status": "ok", **engine_of(request).stats()}
+    counts = engine_of(request).stats()
+    if inspect.isawaitable(counts):  # an engine whose counts live elsewhere (the Ray engine's registry)
+        counts = await counts
+    return {"status": "ok", **counts}

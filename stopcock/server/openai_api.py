@@ -77,17 +77,27 @@ def _model(request: Request, kind: str, asked: str | None) -> str:
 
 
 async def _until_done_or_gone(request: Request, engine: Engine, job_id: str, who: str) -> JobView:
-    """Wait for the job to end; if the client disconnects first, stop the job."""
-    async with anyio.create_task_group() as group:
+    """Wait for the job to end; if the client disconnects first, stop the job.
 
-        async def watch() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            await engine.stop(job_id, who, "disconnected", wait=False)
+    The server may tell of the disconnect (an ``http.disconnect`` message: uvicorn) or cancel the
+    handler (Ray Serve, at its next ``await``): either way the job is stopped."""
+    ended = False
+    try:
+        async with anyio.create_task_group() as group:
 
-        group.start_soon(watch)
-        view = await engine.wait(job_id, who)
-        group.cancel_scope.cancel()
+            async def watch() -> None:
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+                await engine.stop(job_id, who, "disconnected", wait=False)
+
+            group.start_soon(watch)
+            view = await engine.wait(job_id, who)
+            ended = True
+            group.cancel_scope.cancel()
+    finally:
+        if not ended:  # cancelled (or failed) before the job ended: nobody is left to read it
+            with anyio.CancelScope(shield=True):
+                await engine.stop(job_id, who, "disconnected", wait=False)
     return view
 
 

@@ -11,7 +11,6 @@ import ipaddress
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
@@ -58,6 +57,16 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--queue-size", type=_count, default=16, metavar="M", help="jobs waiting at most (429 beyond)"
     )
+    ray = parser.add_argument_group("scale-out on Ray Serve (pip install 'stopcock[ray]')")
+    ray.add_argument(
+        "--engine", choices=("local", "ray"), default="local",
+        help="local: one process (default); ray: Ray Serve replicas (--concurrency is then per replica)",
+    )
+    ray.add_argument(
+        "--ray-address", metavar="ADDR", help="join this Ray cluster (e.g. auto); default: start a local one"
+    )
+    ray.add_argument("--replicas", type=_positive, default=1, metavar="N", help="model replicas per kind")
+    ray.add_argument("--ingress-replicas", type=_positive, default=1, metavar="N", help="HTTP replicas")
     parser.set_defaults(func=serve)
     return parser
 
@@ -75,16 +84,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def read_keys(args: argparse.Namespace) -> list[str]:
-    if args.api_keys_file is None:
-        return list(args.api_key or [])
-    try:
-        lines = Path(args.api_keys_file).read_text("utf-8").splitlines()
-    except OSError as exc:
-        raise UserError(f"cannot read --api-keys-file: {exc}") from None
-    keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
-    if not keys:
-        raise UserError(f"--api-keys-file {args.api_keys_file} holds no keys (one per line, # for comments)")
-    return keys
+    """The keys of ``--api-key`` or ``--api-keys-file``."""
+    from .keyfile import read_key_file
+
+    return list(args.api_key or []) if args.api_keys_file is None else read_key_file(args.api_keys_file)
 
 
 def _loopback(host: str) -> bool:
@@ -102,6 +105,12 @@ def serve(args: argparse.Namespace) -> int:
     """
     try:
         keys = read_keys(args)
+        if getattr(args, "engine", "local") == "ray":
+            _check(args, keys)
+            from .ray_deploy import serve_forever
+
+            serve_forever(args, keys, step_delay=_step_delay())
+            return 0
         backends = _load(args, keys)
     except UserError as exc:
         print(f"stopcock serve: error: {exc}", file=sys.stderr)
@@ -110,9 +119,18 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _step_delay() -> float:
+    return float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
+
+
 def _load(args: argparse.Namespace, keys: list[str]) -> dict[str, Any]:
     from .backends import load_backends
 
+    _check(args, keys)
+    return load_backends(args.text_model, args.image_model)
+
+
+def _check(args: argparse.Namespace, keys: list[str]) -> None:
     if any(not k.strip() for k in keys):
         raise UserError("an API key cannot be empty or blank")
     if not keys and not _loopback(args.host):
@@ -121,7 +139,6 @@ def _load(args: argparse.Namespace, keys: list[str]) -> dict[str, Any]:
             " reaches it can run and stop jobs",
             file=sys.stderr,
         )
-    return load_backends(args.text_model, args.image_model)
 
 
 def _run(args: argparse.Namespace, keys: list[str], backends: dict[str, Any]) -> None:
@@ -134,7 +151,7 @@ def _run(args: argparse.Namespace, keys: list[str], backends: dict[str, Any]) ->
         backends,
         concurrency=args.concurrency,
         queue_size=args.queue_size,
-        step_delay=float(os.environ.get(STEP_DELAY_ENV, "0") or 0),
+        step_delay=_step_delay(),
     )
 
     class Server(uvicorn.Server):
