@@ -244,7 +244,7 @@ def test_abort_mid_generation_keeps_tokens_and_removes_hooks(text_model, batch):
 
     def on_step(state):
         if state.step == 4:
-            armed.append(True)  # the stop lands inside the next token's forward (one from on_step ends step 4)
+            armed.append(True)  # the stop lands in the next token's forward (one from on_step ends step 4)
 
     hook = find_blocks(text_model)[0].register_forward_pre_hook(stop_when_armed(signal, armed))
     try:

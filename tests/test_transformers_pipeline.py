@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_transformers_generate import Counting, Recorder, stop_when_armed  # tests/ is on sys.path under pytest
+from test_transformers_generate import Counting, Recorder, stop_when_armed  # tests/ is on sys.path
 from transformers import StoppingCriteriaList, pipeline
 from transformers.pipelines.pt_utils import KeyDataset
 
@@ -146,7 +146,7 @@ def test_text_generation_abort_and_prestop(text_pipe):
 
     def on_step(state):
         if state.step == 3:
-            armed.append(True)  # the stop lands inside the next token's forward (one from on_step ends step 3)
+            armed.append(True)  # the stop lands in the next token's forward (one from on_step ends step 3)
 
     hook = text_pipe.model.transformer.h[0].register_forward_pre_hook(stop_when_armed(signal, armed))
     try:

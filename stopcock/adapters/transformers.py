@@ -28,13 +28,19 @@ from typing import Any
 
 import torch
 from torch.utils.data import Dataset
-from transformers import GenerationMixin, Pipeline, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    DocumentQuestionAnsweringPipeline,
+    GenerationMixin,
+    Pipeline,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.utils.chat_template_utils import is_valid_message
 
 from ..conditions import StopLike, refuse_row_conditions, stop_strings_of
 from ..control import Abort, RunControl
-from ..events import Step, StreamEvents
+from ..events import Event, EventMaker, Step, StreamEvents
 from ..hooks import bound, find_blocks, output_hooks, pre_hooks
 from ..items import run_items
 from ..outcome import Outcome
@@ -277,10 +283,10 @@ def stopping_criteria(stop: StopLike, tokenizer: Any = None) -> StoppingCriteria
 
 
 def _guarded(control: RunControl, model: Any, call: Callable[[], Any]) -> tuple[Any, bool]:
-    """``call()``; in abort mode with pre-hooks on the model and its blocks. Returns (result, aborted)."""
-    if control.mode != "abort":
-        return call(), False
-    modules = [*find_blocks(model), model] if isinstance(model, torch.nn.Module) else []
+    """``call()``; in abort mode with pre-hooks on the model and its blocks. Returns (result, aborted):
+    this run's :class:`Abort` (from the hooks, or where a finish cannot end well) ends it there."""
+    abort = control.mode == "abort"
+    modules = [*find_blocks(model), model] if abort and isinstance(model, torch.nn.Module) else []
     try:
         with pre_hooks(modules, lambda _: control.poll()):
             return call(), False
@@ -411,6 +417,7 @@ class _PipelineRun:
         self.calls = calls  # the generate calls planned (one per item or batch), when known
         self.criteria: _RunCriteria | None = None
         self.notes: list[str] = []
+        self.cut_texts: list[str] = []  # the text so far of each row of a generate call a stop cut short
         if not generates(pipe):
             refuse_row_conditions(control.condition, f"a {type(pipe).__name__}")
             return
@@ -438,10 +445,10 @@ class _PipelineRun:
             settings = _Settings(kwargs, self.model)
             prompt_len = prompt.shape[-1] if _decoder_only(self.model) and prompt is not None else None
             _configure(criteria, settings, prompt_len)
-            if criteria.limit is not None and self.calls is not None:
+            head = _stop_head(self.model)
+            if head is None and criteria.limit is not None and self.calls is not None:
                 self.control.total = criteria.limit * self.calls
             with ExitStack() as stack:
-                head = _stop_head(self.model)
                 if head is not None:
                     stack.enter_context(self._own_loop(head, settings))
                 else:
@@ -454,6 +461,10 @@ class _PipelineRun:
             elif head is None:
                 rows = prompt.shape[0] if prompt is not None else criteria.last_ids.shape[0]
                 self._row_reasons(rows * int(settings.get("num_return_sequences") or 1))
+                if self.control.seen or self.control.skipping:  # cut short: each row's text so far
+                    tokenizer: Any = self.pipe.tokenizer
+                    new = criteria.last_ids[:, criteria.prompt_len :]
+                    self.cut_texts = tokenizer.batch_decode(new, skip_special_tokens=True)
             return result
 
         return with_criteria
@@ -498,41 +509,66 @@ class _PipelineRun:
 
     @contextmanager
     def _delay_pattern(self) -> Iterator[None]:
-        """MusicGen builds its delay-pattern mask for the full length, and its own ending raises on a
-        shorter output: when a stop ends it early, the mask's end is rebuilt for the length reached
-        (the codebooks then hold the frames that are complete), with MusicGen's own builder."""
+        """MusicGen's delay pattern offsets codebook k by k steps, and its mask, built for the full
+        length, pads each codebook's tail there; its own ending raises on a shorter output. When a
+        stop ends it early, the mask MusicGen keeps for that call gets the same tail padding at the
+        length reached, so the output holds the frames that are complete in every codebook."""
         candidates = (self.model, getattr(self.model, "decoder", None))
-        owners = [m for m in candidates if hasattr(m, "build_delay_pattern_mask")]
-        if not owners:
+        decoder: Any = next((m for m in candidates if hasattr(m, "build_delay_pattern_mask")), None)
+        if decoder is None:
             yield
             return
-        built: list[tuple[Callable[..., Any], torch.Tensor, Any, torch.Tensor]] = []
+        kept: list[tuple[torch.Tensor, Any]] = []  # the call's mask, and the pad id it uses
 
-        def capture(build: Callable[..., Any]) -> Callable[..., Any]:
+        def keep(build: Callable[..., Any]) -> Callable[..., Any]:
             def build_and_keep(input_ids: torch.Tensor, pad_token_id: Any, max_length: Any = None) -> Any:
                 ids, mask = build(input_ids, pad_token_id, max_length=max_length)
-                if not built:
-                    built.append((build, input_ids, pad_token_id, mask))
+                if not kept:
+                    kept.append((mask, pad_token_id))
                 return ids, mask
 
             return build_and_keep
 
         def end_at(input_ids: torch.Tensor) -> None:
-            if built:
-                build, prompt, pad, mask = built[0]
-                length = input_ids.shape[-1]
-                if length < mask.shape[-1]:
-                    mask[..., :length] = build(prompt, pad, max_length=length)[1]
+            if not kept:
+                return
+            mask, pad = kept[0]
+            length, codebooks = input_ids.shape[-1], decoder.num_codebooks
+            stereo = getattr(decoder.config, "audio_channels", 1) == 2
+            delays = codebooks // 2 if stereo else codebooks
+            if length <= delays:  # MusicGen's decoder raises on zero frames: end here, with no audio
+                self._note(f"stopped before the first audio frame was complete in all {delays} codebooks"
+                           f" ({delays} steps): aborted, no audio")
+                raise Abort(self.control)
+            by_codebook = mask.view(-1, codebooks, mask.shape[-1])
+            for codebook in range(codebooks):
+                delay = codebook // 2 if stereo else codebook
+                by_codebook[:, codebook, max(0, length - (delays - 1 - delay)) : length] = pad
 
         assert self.criteria is not None
-        with ExitStack() as stack:
-            for owner in owners:
-                stack.enter_context(bound(owner, "build_delay_pattern_mask", capture))
+        with bound(decoder, "build_delay_pattern_mask", keep):
             self.criteria.ended_early = end_at
             try:
                 yield
             finally:
                 self.criteria.ended_early = None
+
+    def answered(self, results: list[Any]) -> list[Any]:
+        """``results`` with the answers a stop left open given their text so far.
+
+        Donut's document-question-answering keeps an answer only once its closing tag is
+        generated, so an answer cut short by a stop would come back as None.
+        """
+        if not isinstance(self.pipe, DocumentQuestionAnsweringPipeline):
+            return results
+        texts, self.cut_texts = self.cut_texts, []
+        cut = results[len(results) - len(texts) :] if len(texts) <= len(results) else []
+        for result, text in zip(cut, texts, strict=False):  # the last call's rows are the last items
+            for answer in result if isinstance(result, list) else [result]:
+                if isinstance(answer, dict) and answer.get("answer") is None and text.strip():
+                    answer["answer"] = text.strip()
+                    self._note("a stopped answer holds the text generated so far (it has no closing tag)")
+        return results
 
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[list[Any]], list[Any]]:
         """``run(chunk)`` for :func:`run_items`: the pipeline called with the chunk as a list, the form
@@ -542,8 +578,8 @@ class _PipelineRun:
         def run(chunk: list[Any]) -> list[Any]:
             out = self.pipe(chunk, *args[1:], **kwargs)
             if len(chunk) == 1 and not (isinstance(out, list) and len(out) == 1):
-                return [out]
-            return list(out)
+                out = [out]
+            return self.answered(list(out))
 
         return run
 
@@ -567,7 +603,7 @@ def _run_pipeline(
     def go() -> None:
         with run.bound():
             if many is None:
-                results.append(pipe(*args, **kwargs))
+                results.extend(run.answered([pipe(*args, **kwargs)]))
                 if criteria is None:
                     control.step(1)
             else:
@@ -584,9 +620,10 @@ def _run_pipeline(
     if aborted and criteria.last_ids is not None:
         extra["partial_ids"] = criteria.so_far(None)
     _end_streamer(streamer, criteria, aborted)
-    notes = [_ABORTED_ITEMS] if aborted else []
+    notes = [_ABORTED_ITEMS] if aborted and control.mode == "abort" else []
     detail = "; ".join(notes + run.notes) or None
-    return _outcome(control, criteria, output, aborted, extra=extra, detail=detail)
+    mode = "abort" if aborted else control.mode
+    return _outcome(control, criteria, output, aborted, extra=extra, detail=detail, mode=mode)
 
 
 def _refuse_beams(kwargs: dict[str, Any], default_config: Any) -> None:
@@ -602,10 +639,10 @@ def _refuse_beams(kwargs: dict[str, Any], default_config: Any) -> None:
 class _StepEvents:
     """A :class:`Step` per step, for generation that makes no text (audio codes, spectrograms)."""
 
-    def on_step(self, state: StepState) -> list[Step]:
+    def on_step(self, state: StepState) -> list[Event]:
         return [Step(state.step, state.total)]
 
-    def flush(self) -> list[Step]:
+    def flush(self) -> list[Event]:
         return []
 
 
@@ -631,7 +668,7 @@ class TransformersAdapter:
 
     def stream_events(
         self, target: Any, kwargs: dict[str, Any], *, tokenizer: Any, preview: str | None, preview_every: int
-    ) -> StreamEvents | _StepEvents:
+    ) -> EventMaker:
         """Text events, decoded with ``tokenizer`` (a model's generate gets it too, for stop strings;
         a pipeline's own by default). Beam search cannot stream; previews are for diffusion."""
         if preview is not None:
@@ -640,8 +677,11 @@ class TransformersAdapter:
             if generates(target) and "text" not in (getattr(target.model, "output_modalities", None) or ()):
                 return _StepEvents()
             tokenizer = tokenizer if tokenizer is not None else getattr(target, "tokenizer", None)
-            if hasattr(getattr(target, "model", None), "generate"):
-                _refuse_beams(kwargs, getattr(target.model, "generation_config", None))
+            if generates(target):
+                # what the pipeline passes to generate: its defaults (ASR: 5 beams) under the call's
+                settings = {**kwargs, **(kwargs.get("generate_kwargs") or {})}
+                prepare = getattr(target, "_prepare_generate_kwargs", None)
+                _refuse_beams(prepare(settings) if prepare else settings, target.model.generation_config)
             return StreamEvents(tokenizer, preview_every=preview_every)
         if tokenizer is not None:
             kwargs["tokenizer"] = tokenizer
