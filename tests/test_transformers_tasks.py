@@ -7,9 +7,6 @@ so far (text, transcription, answers, audio). Lists are still stopped between it
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
 import numpy as np
 import pytest
 import torch
@@ -17,8 +14,9 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import stopcock
 from tiny import text as tiny
+from tiny.text import CASE_TOKENS as NEW  # tokens a full run makes, where the call sets the length
+from tiny.text import TASK_CASES, TaskCase, task_case
 
-NEW = 12  # tokens a full run makes, where the call sets the length
 AT = 5  # the step whose on_step asks for the stop
 
 
@@ -27,119 +25,9 @@ def _one_thread():
     torch.set_num_threads(1)
 
 
-@dataclass
-class Case:
-    """A task's tiny pipeline, one input, the call's arguments, and how to read what it made."""
-
-    task: str
-    pipe: Any
-    item: Any
-    kwargs: dict[str, Any]
-    content: Any  # output -> the generated part (text, answer, audio samples)
-    stepping: Any = None  # the module that runs once per token (default: the pipeline's model)
-    items: list[Any] = field(default_factory=list)  # several inputs, for the list tests
-
-    @property
-    def stepper(self) -> torch.nn.Module:
-        return self.stepping if self.stepping is not None else self.pipe.model
-
-
-def _chat(kind: str, media: Any, text: str = "what is it") -> list[dict[str, Any]]:
-    return [{"role": "user", "content": [{"type": kind, kind: media}, {"type": "text", "text": text}]}]
-
-
-def _reply(out: Any) -> str:
-    return out[0]["generated_text"][-1]["content"]
-
-
-def build(task: str) -> Case:
-    if task == "text-generation":
-        return Case(
-            task,
-            tiny.text_generation_pipeline(),
-            "Hello world",
-            {"max_new_tokens": NEW, "do_sample": False},
-            lambda out: out[0]["generated_text"],
-            items=["Hello world", "The quick brown fox", "Stop the pipeline"],
-        )
-    if task == "image-text-to-text":
-        image = tiny.sample_image()
-        return Case(
-            task,
-            tiny.llava_pipeline(),
-            _chat("image", image),
-            {"max_new_tokens": NEW},
-            _reply,
-            items=[_chat("image", image, q) for q in ("what", "who", "where")],
-        )
-    if task == "any-to-any":
-        audio = tiny.sample_audio()
-        return Case(
-            task,
-            tiny.qwen2_audio_pipeline(),
-            _chat("audio", audio),
-            {"max_new_tokens": NEW},
-            _reply,
-            items=[_chat("audio", tiny.sample_audio(seed=s)) for s in range(3)],
-        )
-    if task == "automatic-speech-recognition":
-        return Case(
-            task,
-            tiny.whisper_pipeline(),
-            tiny.sample_audio(),
-            {"max_new_tokens": NEW},
-            lambda out: out["text"],
-            items=[tiny.sample_audio(seed=s) for s in range(3)],
-        )
-    if task == "text-to-audio":
-        return Case(
-            task,
-            tiny.musicgen_pipeline(),
-            "a calm tune",
-            {"generate_kwargs": {"max_new_tokens": NEW, "do_sample": False}},
-            lambda out: out["audio"],
-            items=["a calm tune", "a fast beat", "rain"],
-        )
-    if task == "text-to-audio (SpeechT5)":
-        pipe, speaker = tiny.speecht5_pipeline()
-        return Case(
-            task,
-            pipe,
-            "hello world",
-            {"forward_params": {"speaker_embeddings": speaker}},
-            lambda out: out["audio"],
-            stepping=pipe.model.speecht5.decoder.wrapped_decoder,
-            items=["hello world", "good night", "stop"],
-        )
-    if task == "document-question-answering":
-        page = tiny.sample_image(32)
-        return Case(
-            task,
-            tiny.donut_pipeline(),
-            {"image": page, "question": "what"},
-            {},
-            lambda out: out[0]["answer"],
-            items=[{"image": page, "question": q} for q in ("what", "who", "when")],
-        )
-    if task == "table-question-answering":
-        table = tiny.sample_table()
-        return Case(
-            task,
-            tiny.table_qa_pipeline(),
-            {"table": table, "query": "how many people"},
-            {},
-            lambda out: out["answer"],
-            items=[{"table": table, "query": q} for q in ("how many", "which city", "largest")],
-        )
-    raise AssertionError(task)
-
-
-TASKS = [*tiny.GENERATING_TASKS, "text-to-audio (SpeechT5)"]
-
-
-@pytest.fixture(scope="module", params=TASKS)
-def case(request) -> Case:
-    return build(request.param)
+@pytest.fixture(scope="module", params=TASK_CASES)
+def case(request) -> TaskCase:
+    return task_case(request.param)
 
 
 def stop_at(step: int, module: torch.nn.Module, signal: stopcock.StopSignal, how=None):
@@ -219,7 +107,7 @@ class Counting(StoppingCriteria):
 
 @pytest.mark.parametrize("task", ["document-question-answering", "table-question-answering"])
 def test_pipelines_that_drop_call_time_criteria_are_still_stopped(task):
-    case = build(task)
+    case = task_case(task)
     native, forwards = Counting(), []
     hook = case.pipe.model.register_forward_hook(lambda m, a, o: forwards.append(1))
     try:
@@ -233,7 +121,7 @@ def test_pipelines_that_drop_call_time_criteria_are_still_stopped(task):
 
 
 def test_speecht5_own_loop_is_ended_by_its_stop_head():
-    case = build("text-to-audio (SpeechT5)")
+    case = task_case("text-to-audio (SpeechT5)")
     full = stopcock.run(case.pipe, case.item, **case.kwargs)
     assert (full.stopped, full.total_steps) == (False, None) and full.steps > 10  # its own length limit
     stopped = stopcock.run(case.pipe, case.item, stop=stopcock.max_steps(4), **case.kwargs)
@@ -248,7 +136,7 @@ def test_speecht5_own_loop_is_ended_by_its_stop_head():
 def test_musicgen_stops_early_without_its_delay_pattern_crash():
     """MusicGen's own ending raises a shape error on an output shorter than planned; stopcock ends
     the codebooks' delay pattern at the length reached: the audio is the full run's, cut."""
-    case = build("text-to-audio")
+    case = task_case("text-to-audio")
     full = case.content(stopcock.run(case.pipe, case.item, **case.kwargs).output)
     native = StoppingCriteriaList(
         [type("AtFive", (StoppingCriteria,), {"__call__": lambda s, ids, sc, **k: ids.shape[-1] > AT})()]
@@ -267,7 +155,7 @@ def test_musicgen_stops_early_without_its_delay_pattern_crash():
 
 
 def test_asr_takes_a_bare_array_as_one_input():
-    case = build("automatic-speech-recognition")
+    case = task_case("automatic-speech-recognition")
     audio = tiny.sample_audio()  # 8000 samples: one input, not 8000 items
     outcome = stopcock.run(case.pipe, audio, stop=stopcock.max_steps(AT), **case.kwargs)
     assert isinstance(outcome.output, dict) and outcome.output["text"]
@@ -280,7 +168,7 @@ def test_asr_takes_a_bare_array_as_one_input():
 )
 def test_criteria_of_the_user_at_call_time_still_run(task):
     """(Document- and table-QA drop call-time criteria, and SpeechT5's loop runs none.)"""
-    case = build(task)
+    case = task_case(task)
     mine = Counting()
     kwargs = dict(case.kwargs)
     if case.task in ("text-generation", "automatic-speech-recognition"):  # generation arguments at the top
@@ -293,6 +181,6 @@ def test_criteria_of_the_user_at_call_time_still_run(task):
 
 @pytest.mark.parametrize("task", ["text-to-audio", "text-to-audio (SpeechT5)"])
 def test_stop_strings_are_refused_where_no_text_is_made(task):
-    case = build(task)
+    case = task_case(task)
     with pytest.raises(ValueError, match="makes no text"):
         stopcock.run(case.pipe, case.item, stop=stopcock.stop_strings(["x"]), **case.kwargs)

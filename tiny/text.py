@@ -14,6 +14,7 @@ tokens, and the builders suppress special tokens a random model would repeat, so
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -526,13 +527,118 @@ def sample_table() -> Any:
     return pd.DataFrame({"city": ["Paris", "Lyon", "Nice"], "people": ["2100000", "520000", "340000"]})
 
 
-#: The tiny builders of each generating task (several for text-to-audio: its two kinds of loop).
-BUILDERS: dict[str, tuple[Callable[..., Any], ...]] = {
-    "text-generation": (text_generation_pipeline,),
-    "image-text-to-text": (llava_pipeline,),
-    "any-to-any": (qwen2_audio_pipeline,),
-    "automatic-speech-recognition": (whisper_pipeline,),
-    "text-to-audio": (musicgen_pipeline, speecht5_pipeline),
-    "document-question-answering": (donut_pipeline,),
-    "table-question-answering": (table_qa_pipeline,),
-}
+@dataclass
+class TaskCase:
+    """A generating task's tiny pipeline, one input and its call arguments, several inputs, and how
+    to read what it made (``content(output)``: the text, answer or audio samples)."""
+
+    task: str
+    pipe: Any
+    item: Any
+    kwargs: dict[str, Any]
+    content: Callable[[Any], Any]
+    items: list[Any] = field(default_factory=list)
+    stepping: Any = None  # the module that runs once per token (default: the pipeline's model)
+
+    @property
+    def stepper(self) -> Any:
+        return self.stepping if self.stepping is not None else self.pipe.model
+
+
+#: Tokens a full run makes, where the call sets the length (document- and table-QA: the model's 24).
+CASE_TOKENS = 12
+
+
+def _chat(kind: str, media: Any, text: str = "what is it") -> list[dict[str, Any]]:
+    return [{"role": "user", "content": [{"type": kind, kind: media}, {"type": "text", "text": text}]}]
+
+
+def _reply(out: Any) -> Any:
+    return out[0]["generated_text"][-1]["content"]
+
+
+def task_case(task: str) -> TaskCase:
+    """The case of ``task``: one of ``TASK_CASES`` (the generating tasks, and SpeechT5's loop)."""
+    new = CASE_TOKENS
+    if task == "text-generation":
+        return TaskCase(
+            task,
+            text_generation_pipeline(),
+            "Hello world",
+            {"max_new_tokens": new, "do_sample": False},
+            lambda out: out[0]["generated_text"],
+            ["Hello world", "The quick brown fox", "Stop it"],
+        )
+    if task == "image-text-to-text":
+        image = sample_image()
+        return TaskCase(
+            task,
+            llava_pipeline(),
+            _chat("image", image),
+            {"max_new_tokens": new},
+            _reply,
+            [_chat("image", image, q) for q in ("what", "who", "where")],
+        )
+    if task == "any-to-any":
+        return TaskCase(
+            task,
+            qwen2_audio_pipeline(),
+            _chat("audio", sample_audio()),
+            {"max_new_tokens": new},
+            _reply,
+            [_chat("audio", sample_audio(seed=s)) for s in range(3)],
+        )
+    if task == "automatic-speech-recognition":
+        return TaskCase(
+            task,
+            whisper_pipeline(),
+            sample_audio(),
+            {"max_new_tokens": new},
+            lambda out: out["text"],
+            [sample_audio(seed=s) for s in range(3)],
+        )
+    if task == "text-to-audio":
+        return TaskCase(
+            task,
+            musicgen_pipeline(),
+            "a calm tune",
+            {"generate_kwargs": {"max_new_tokens": new, "do_sample": False}},
+            lambda out: out["audio"],
+            ["a calm tune", "a fast beat", "rain"],
+        )
+    if task == "text-to-audio (SpeechT5)":
+        pipe, speaker = speecht5_pipeline()
+        return TaskCase(
+            task,
+            pipe,
+            "hello world",
+            {"forward_params": {"speaker_embeddings": speaker}},
+            lambda out: out["audio"],
+            ["hello world", "good night", "stop"],
+            stepping=pipe.model.speecht5.decoder.wrapped_decoder,
+        )
+    if task == "document-question-answering":
+        page = sample_image(32)
+        return TaskCase(
+            task,
+            donut_pipeline(),
+            {"image": page, "question": "what"},
+            {},
+            lambda out: out[0]["answer"],
+            [{"image": page, "question": q} for q in ("what", "who", "when")],
+        )
+    if task == "table-question-answering":
+        table = sample_table()
+        return TaskCase(
+            task,
+            table_qa_pipeline(),
+            {"table": table, "query": "how many people"},
+            {},
+            lambda out: out["answer"],
+            [{"table": table, "query": q} for q in ("how many", "which city", "largest")],
+        )
+    raise ValueError(f"no tiny case for {task!r}; known: {TASK_CASES}")
+
+
+#: The cases: each generating task, and text-to-audio's second kind of loop.
+TASK_CASES = (*GENERATING_TASKS, "text-to-audio (SpeechT5)")
