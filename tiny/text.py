@@ -78,9 +78,7 @@ def build_text_model(
         n_head=n_head,
         n_positions=1024,
         vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        **_token_ids(tokenizer),
     )
     model = GPT2LMHeadModel(config).eval()
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -103,6 +101,26 @@ GENERATING_TASKS = (
 SAMPLING_RATE = 16000
 
 
+def _token_ids(tokenizer: Any) -> dict[str, Any]:
+    """The special token ids a config takes from the tokenizer."""
+    ids = ("pad_token_id", "bos_token_id", "eos_token_id")
+    return {name: getattr(tokenizer, name) for name in ids}
+
+
+def _small_decoder(config_class: Any, tokenizer: Any, positions: int) -> Any:
+    """A 2-layer, 32-wide decoder config (Llama-style: LLaVA's, Qwen2-Audio's text model)."""
+    return config_class(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=positions,
+        **_token_ids(tokenizer),
+    )
+
+
 def _seeded(seed: int) -> None:
     import torch
 
@@ -120,9 +138,7 @@ def text_generation_pipeline(seed: int = 0) -> Any:
         n_embd=64,
         n_head=2,
         vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        **_token_ids(tokenizer),
     )
     return pipeline("text-generation", model=GPT2LMHeadModel(config).eval(), tokenizer=tokenizer)
 
@@ -177,18 +193,7 @@ def llava_pipeline(seed: int = 0) -> Any:
         patch_size=4,
         projection_dim=16,
     )
-    text = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    text = _small_decoder(LlamaConfig, tokenizer, positions=256)
     config = LlavaConfig(
         vision_config=vision.to_dict(),
         text_config=text.to_dict(),
@@ -233,18 +238,7 @@ def qwen2_audio_pipeline(seed: int = 0) -> Any:
         d_model=16,
         max_source_positions=1500,
     )
-    text = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    text = _small_decoder(Qwen2Config, tokenizer, positions=2048)
     config = Qwen2AudioConfig(
         audio_config=audio.to_dict(),
         text_config=text.to_dict(),
@@ -393,9 +387,7 @@ def speecht5_pipeline(seed: int = 0) -> tuple[Any, Any]:
         reduction_factor=2,
         max_speech_positions=512,
         max_text_positions=64,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+        **_token_ids(tokenizer),
     )
     model = SpeechT5ForTextToSpeech(config).eval()
     with torch.no_grad():
@@ -442,9 +434,7 @@ def donut_pipeline(seed: int = 0, max_new_tokens: int = 24) -> Any:
         n_head=2,
         vocab_size=len(tokenizer),
         add_cross_attention=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        **_token_ids(tokenizer),
     )
     decoder.is_decoder = True
     config = VisionEncoderDecoderConfig(encoder=encoder.to_dict(), decoder=decoder.to_dict())
@@ -508,9 +498,7 @@ def table_qa_pipeline(seed: int = 0, max_new_tokens: int = 24) -> Any:
         encoder_ffn_dim=16,
         decoder_ffn_dim=16,
         max_position_embeddings=256,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+        **_token_ids(tokenizer),
         decoder_start_token_id=tokenizer.bos_token_id,
         forced_eos_token_id=None,
     )
