@@ -127,10 +127,15 @@ class RunControl:
 
     def _skip_seen(self) -> bool:
         """Whether ``skip()`` was called since the current item began: it ends that item, or, in a
-        run that is not item by item, the run (reason ``"skipped"``)."""
+        run that is not item by item, the run (reason ``"skipped"``). Checked at every step, so the
+        usual case (one signal, no skip) reads one counter."""
         if self.skipping:
             return True
-        if not self._signals or self._skips() == self._skip_base:
+        signals = self._signals
+        if not signals:
+            return False
+        count = signals[0].skips if len(signals) == 1 else self._skips()
+        if count == self._skip_base:
             return False
         if self._in_items:
             self.skipping = True
