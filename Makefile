@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 # (PIP_EXTRA_INDEX_URL) or override TORCH; pyproject.toml itself only asks for torch>=2.1.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test lint bench browser clean
+.PHONY: setup demo test lint bench coverage browser clean
 
 setup: $(VENV)/.stamp-setup
 
@@ -33,6 +33,10 @@ lint: setup
 
 bench: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m bench
+
+# Stop coverage over tiny models (not part of `make test`): every generating transformers task.
+coverage: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.coverage_transformers
 
 # Headless Chromium for the web page's end-to-end test (Debian's package; Playwright's own
 # browser download does not work offline).

@@ -21,8 +21,9 @@ from typing import Any
 from . import __version__
 from .conditions import Condition, from_options
 from .console import INTERRUPTED, CtrlC, Progress, TextEcho
-from .errors import UsageError, UserError
+from .errors import UsageError, UserError, first_line
 from .files import save_png, writable
+from .items import run_each
 from .loading import check_steps, load_image_pipeline, load_text_model, resolve_model
 from .outcome import Outcome
 from .previews import latent_preview, previewable
@@ -94,6 +95,22 @@ def run_interruptible(
         progress.close()
 
 
+def each_prompt(
+    prompts: list[str], ctrl_c: CtrlC, one: Callable[[str], tuple[Outcome, dict[str, Any]]]
+) -> tuple[Outcome, list[dict[str, Any]]]:
+    """``one(prompt)`` for each prompt while the signals allow (:func:`stopcock.items.run_each`): the
+    whole sequence's Outcome, and each run's fields for the report."""
+    fields: list[dict[str, Any]] = []
+
+    def run_one(prompt: str) -> Outcome:
+        outcome, extra = one(prompt)
+        fields.append({"prompt": prompt, **outcome.summary(), **extra})
+        return outcome
+
+    _, overall = run_each(ctrl_c.stop, prompts, run_one)
+    return overall, fields
+
+
 def abandoned(progress: Progress, stop: StopSignal) -> Outcome:
     """The Outcome of a run abandoned by a second Ctrl+C: what the last finished step left."""
     now = time.monotonic()
@@ -152,32 +169,60 @@ def _progress_style(args: argparse.Namespace, echoing: bool) -> str:
 # -- commands ----------------------------------------------------------------------------------------
 
 
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    """The prompts: each ``--prompt``, then the lines of ``--prompts FILE`` (empty lines skipped)."""
+    prompts = list(args.prompt or ())
+    if args.prompts is not None:
+        try:
+            text = Path(args.prompts).read_text(encoding="utf-8")
+        except (OSError, UnicodeError) as exc:
+            raise UsageError(f"--prompts {args.prompts}: cannot read it ({first_line(exc)})") from None
+        prompts += [line for line in text.splitlines() if line.strip()]
+        if len(prompts) == len(args.prompt or ()):
+            raise UsageError(f"--prompts {args.prompts} holds no prompt: write one per line")
+    if not prompts:
+        raise UsageError("give a prompt: --prompt TEXT (repeatable) or --prompts FILE (one per line)")
+    return prompts
+
+
 def cmd_text(args: argparse.Namespace) -> int:
     started = time.monotonic()
+    prompts = read_prompts(args)
     model_spec = resolve_model(args.model, "text")
     with CtrlC().installed() as ctrl_c:
         try:
             model, tokenizer = load_text_model(model_spec, quiet=args.model is None)
-            inputs = tokenizer(args.prompt, return_tensors="pt")
+            encoded = [tokenizer(prompt, return_tensors="pt") for prompt in prompts]
         except KeyboardInterrupt:
             fields = {"command": "text", "model": model_spec, "text": ""}
             return report(not_started(args.mode, started), fields, as_json=args.json, unit="token")
-        prompt_length = inputs["input_ids"].shape[1]
-        if prompt_length == 0:
-            raise UsageError(f"--prompt {args.prompt!r} is no tokens for this model's tokenizer: give some"
-                             " text")
-        echo = None if args.json else TextEcho(tokenizer, sys.stdout)
-        progress = Progress(_progress_style(args, echoing=echo is not None), unit="token", echo=echo)
-        outcome = run_interruptible(
-            model, (), {**inputs, "max_new_tokens": args.max_new_tokens, "tokenizer": tokenizer},
-            ctrl_c=ctrl_c, conditions=_conditions(args), mode=args.mode, progress=progress,
-        )
-        if echo is not None:
-            echo.finish()
-        ids = outcome.output if outcome.output is not None else outcome.extra.get("input_ids")
-        text = "" if ids is None else tokenizer.decode(ids[0, prompt_length:], skip_special_tokens=True)
-        return report(outcome, {"command": "text", "model": model_spec, "text": text}, as_json=args.json,
-                      unit="token")
+        for prompt, inputs in zip(prompts, encoded, strict=True):
+            if inputs["input_ids"].shape[1] == 0:
+                raise UsageError(f"--prompt {prompt!r} is no tokens for this model's tokenizer: give some"
+                                 " text")
+        tokenized = iter(encoded)
+
+        def one(prompt: str) -> tuple[Outcome, dict[str, Any]]:
+            inputs = next(tokenized)
+            echo = None if args.json else TextEcho(tokenizer, sys.stdout)
+            progress = Progress(_progress_style(args, echoing=echo is not None), unit="token", echo=echo)
+            outcome = run_interruptible(
+                model, (), {**inputs, "max_new_tokens": args.max_new_tokens, "tokenizer": tokenizer},
+                ctrl_c=ctrl_c, conditions=_conditions(args), mode=args.mode, progress=progress,
+            )
+            if echo is not None:
+                echo.finish()
+            ids = outcome.output if outcome.output is not None else outcome.extra.get("input_ids")
+            prompt_length = inputs["input_ids"].shape[1]
+            text = "" if ids is None else tokenizer.decode(ids[0, prompt_length:], skip_special_tokens=True)
+            return outcome, {"text": text}
+
+        head = {"command": "text", "model": model_spec}
+        if len(prompts) == 1:
+            outcome, fields = one(prompts[0])
+            return report(outcome, {**head, **fields}, as_json=args.json, unit="token")
+        overall, items = each_prompt(prompts, ctrl_c, one)
+        return report(overall, {**head, "items": items}, as_json=args.json, unit="token")
 
 
 def image_of(outcome: Outcome) -> tuple[Any, str | None]:
@@ -192,12 +237,18 @@ def image_of(outcome: Outcome) -> tuple[Any, str | None]:
     return latent_preview(outcome.latents), "latent preview"
 
 
+def numbered(out: Path, index: int, count: int) -> Path:
+    """The PNG of prompt ``index`` (from 1): ``out`` itself for one prompt, else ``out-<index>``."""
+    return out if count == 1 else out.with_name(f"{out.stem}-{index}{out.suffix}")
+
+
 def cmd_image(args: argparse.Namespace) -> int:
     import torch
 
     started = time.monotonic()
+    prompts = read_prompts(args)
     model_spec = resolve_model(args.model, "image")
-    out = writable(Path(args.out))
+    outs = [writable(numbered(Path(args.out), i, len(prompts))) for i in range(1, len(prompts) + 1)]
     with CtrlC().installed() as ctrl_c:
         try:
             pipe = load_image_pipeline(model_spec, quiet=args.model is None)
@@ -206,24 +257,33 @@ def cmd_image(args: argparse.Namespace) -> int:
                                                             "file": None, "image": None, "seed": args.seed},
                           as_json=args.json, unit="step")
         check_steps(pipe, args.steps)
-        progress = Progress(_progress_style(args, echoing=False))
-        kwargs: dict[str, Any] = {
-            "num_inference_steps": args.steps,
-            "generator": torch.Generator("cpu").manual_seed(args.seed),
-            "partial": args.partial,
-        }
-        outcome = run_interruptible(pipe, (args.prompt,), kwargs, ctrl_c=ctrl_c, conditions=_conditions(args),
-                                    mode=args.mode, progress=progress)
-        image, kind = image_of(outcome)
-        fields = {"command": "image", "model": model_spec, "file": None if image is None else str(out),
-                  "image": kind, "seed": args.seed}
-        if image is not None:
-            save_png(image, out, {**outcome.summary(), "exit_code": exit_code(outcome), "image": kind,
-                                  "prompt": args.prompt, "model": model_spec, "seed": args.seed})
-        if not args.json:
-            saved = f"saved the {kind} image to {out}" if image is not None else "no image to save"
-            print(f"stopcock: {saved}", file=sys.stderr)
-        return report(outcome, fields, as_json=args.json, unit="step")
+        files = iter(outs)
+
+        def one(prompt: str) -> tuple[Outcome, dict[str, Any]]:
+            out = next(files)
+            kwargs: dict[str, Any] = {
+                "num_inference_steps": args.steps,
+                "generator": torch.Generator("cpu").manual_seed(args.seed),  # the same seed for each prompt
+                "partial": args.partial,
+            }
+            progress = Progress(_progress_style(args, echoing=False))
+            outcome = run_interruptible(pipe, (prompt,), kwargs, ctrl_c=ctrl_c, conditions=_conditions(args),
+                                        mode=args.mode, progress=progress)
+            image, kind = image_of(outcome)
+            if image is not None:
+                save_png(image, out, {**outcome.summary(), "exit_code": exit_code(outcome), "image": kind,
+                                      "prompt": prompt, "model": model_spec, "seed": args.seed})
+            if not args.json:
+                saved = f"saved the {kind} image to {out}" if image is not None else "no image to save"
+                print(f"stopcock: {saved}", file=sys.stderr)
+            return outcome, {"file": None if image is None else str(out), "image": kind}
+
+        head = {"command": "image", "model": model_spec}
+        if len(prompts) == 1:
+            outcome, fields = one(prompts[0])
+            return report(outcome, {**head, **fields, "seed": args.seed}, as_json=args.json, unit="step")
+        overall, items = each_prompt(prompts, ctrl_c, one)
+        return report(overall, {**head, "items": items, "seed": args.seed}, as_json=args.json, unit="step")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -264,7 +324,9 @@ def _stop_string(text: str) -> str:
 def _add_common(p: argparse.ArgumentParser, model_kind: str) -> None:
     p.add_argument("--model", metavar="PATH_OR_ID",
                    help=f"a local folder or a hub id (default: the built-in demo {model_kind} model)")
-    p.add_argument("--prompt", required=True, help="the prompt")
+    p.add_argument("--prompt", action="append", metavar="TEXT",
+                   help="the prompt; repeat it for several, run one after the other")
+    p.add_argument("--prompts", metavar="FILE", help="more prompts, one per line")
     p.add_argument("--timeout", type=_SECONDS, metavar="S", help="stop after S seconds")
     p.add_argument("--mode", choices=MODES, default="finish",
                    help="finish: end at the next step with the partial result (default); abort: abandon "

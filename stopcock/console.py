@@ -17,9 +17,10 @@ from .events import RowDecoder
 from .signal import StopSignal
 from .state import StepState
 
-__all__ = ["INTERRUPTED", "CtrlC", "Progress", "TextEcho", "say"]
+__all__ = ["AFTER_ITEM", "INTERRUPTED", "CtrlC", "Progress", "TextEcho", "say"]
 
 INTERRUPTED = "interrupted"
+AFTER_ITEM = "after_item"  # the reason of a stop after the current prompt (SIGUSR2)
 
 
 class Progress:
@@ -100,9 +101,11 @@ class CtrlC:
     wherever the main thread is (inside the model forward, or in the VAE decode); the adapters'
     cleanup runs on the way out. The CLI then reports mode "abort" with what the last finished step
     produced.
-    ``"ended"`` (saving and reporting the result): a press is acknowledged and otherwise ignored, so
-    the saved file and the JSON are never cut off half-written.
-    Presses during the run and after it write a line to stderr at once.
+    ``"ended"`` (saving and reporting the result): a press is acknowledged, and only stops the
+    prompts not started yet, so the saved file and the JSON are never cut off half-written.
+    Presses during the run and after it write a line to stderr at once. With several prompts,
+    SIGUSR1 skips the current one and SIGUSR2 lets it finish and starts no other (both also work
+    with one prompt: a skip ends its run).
     """
 
     def __init__(self) -> None:
@@ -114,6 +117,7 @@ class CtrlC:
         if self.phase == "loading":
             raise KeyboardInterrupt
         if self.phase == "ended":
+            self.stop.stop(INTERRUPTED)  # with several prompts, no other one starts
             say("\nstopcock: the run has ended: saving and reporting its result first\n")
             return
         self.presses += 1
@@ -125,17 +129,33 @@ class CtrlC:
         say("\nstopcock: aborting now\n")
         raise KeyboardInterrupt
 
+    def skip(self, signum: int, frame: FrameType | None) -> None:
+        """SIGUSR1: end the current prompt and go on with the next (a single prompt: end the run)."""
+        self.stop.skip()
+        say("\nstopcock: skipping the current prompt\n")
+
+    def stop_after_item(self, signum: int, frame: FrameType | None) -> None:
+        """SIGUSR2: let the current prompt finish, then start no other."""
+        self.stop.stop_after_item(AFTER_ITEM)
+        say("\nstopcock: stopping once the current prompt is done\n")
+
     @contextlib.contextmanager
     def installed(self) -> Iterator[CtrlC]:
-        """Handle SIGINT while the block runs; a no-op off the main thread (Python delivers signals there)."""
+        """Handle SIGINT (and, where they exist, SIGUSR1: skip, SIGUSR2: stop after the current prompt)
+        while the block runs; a no-op off the main thread (Python delivers signals there)."""
         if threading.current_thread() is not threading.main_thread():
             yield self
             return
-        previous = signal.signal(signal.SIGINT, self)
+        handlers: dict[int, Callable[[int, FrameType | None], None]] = {signal.SIGINT: self}
+        for name, handler in (("SIGUSR1", self.skip), ("SIGUSR2", self.stop_after_item)):
+            if hasattr(signal, name):
+                handlers[getattr(signal, name)] = handler
+        previous: dict[int, Any] = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
         try:
             yield self
         finally:
-            signal.signal(signal.SIGINT, previous)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
 
 
 def say(message: str) -> None:

@@ -2,7 +2,9 @@
 
 A :class:`RunControl` binds the user's ``stop=`` to one run: it owns the run's own token, links
 the user's signals to it so a stop lands at once, counts steps, evaluates the conditions at each
-check, raises :class:`Abort` in abort mode, and builds the :class:`Outcome`.
+check, raises :class:`Abort` in abort mode, and builds the :class:`Outcome`. For runs over several
+items (:mod:`stopcock.items`) it also marks the item boundaries, where ``skip()`` and
+``stop_after_item()`` of the user's signals take effect.
 """
 
 from __future__ import annotations
@@ -47,6 +49,12 @@ class RunControl:
         )
         self.condition: Condition | None = None if stop is None else as_condition(stop)
         self.on_step = on_step
+        # the user's signals whose skip() and stop_after_item() this run follows
+        self._signals = tuple(c.signal for c in top_level(self.condition) if isinstance(c, Signalled))
+        self._skip_base = 0  # skip() calls seen when the current item began
+        self._in_items = False  # the run goes item by item (start_item was called)
+        self.skipping = False  # the current item is being skipped
+        self.item_reasons: list[str] | None = None
         self.token = StopSignal()
         self.steps = 0
         self.total: int | None = None
@@ -58,6 +66,7 @@ class RunControl:
     # -- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> RunControl:
         self.started = time.monotonic()
+        self._skip_base = self._skips()
         for leaf in top_level(self.condition):
             if isinstance(leaf, Signalled):
                 self._unlink.append(leaf.signal.on_stop(self._forward(leaf.signal)))
@@ -98,17 +107,70 @@ class RunControl:
         return self.seen
 
     def step(self, steps: int | None = None, **tensors: Any) -> bool:
-        """A step boundary: record progress (``steps`` done, default one more), report it, check."""
+        """A step boundary: record progress (``steps`` done, default one more), report it, check.
+
+        ``on_step`` runs before the check, so a stop (or a skip) it makes ends this very step.
+        """
         self.steps = self.steps + 1 if steps is None else steps
         state = self.state(**tensors)
-        stop = self.should_stop(state)
         if self.on_step is not None:
             self.on_step(state)
-        return stop
+        return self.should_stop(state) or self._skip_seen()
 
     def check(self, **tensors: Any) -> bool:
         """A check with no new step done (e.g. before the first step)."""
         return self.should_stop(self.state(**tensors))
+
+    # -- items ---------------------------------------------------------------------------------------
+    def _skips(self) -> int:
+        return sum(signal.skips for signal in self._signals)
+
+    def _skip_seen(self) -> bool:
+        """Whether ``skip()`` was called since the current item began: it ends that item, or, in a
+        run that is not item by item, the run (reason ``"skipped"``). Checked at every step, so the
+        usual case (one signal, no skip) reads one counter."""
+        if self.skipping:
+            return True
+        signals = self._signals
+        if not signals:
+            return False
+        count = signals[0].skips if len(signals) == 1 else self._skips()
+        if count == self._skip_base:
+            return False
+        if self._in_items:
+            self.skipping = True
+        else:
+            self.token.stop("skipped")
+            self.seen = True
+        return True
+
+    def start_item(self) -> bool:
+        """Before each item of a run that goes item by item: whether it may start.
+
+        It may not once the run is stopped, or once a signal asked to stop after the current item
+        (the run then stops with that reason).
+        """
+        self._in_items = True
+        if not self.token.stopped:
+            reason = next((s.after_item for s in self._signals if s.after_item is not None), None)
+            if reason is not None:
+                self.token.stop(reason)
+        if self.check():
+            return False
+        self._skip_base, self.skipping = self._skips(), False
+        return True
+
+    def end_item(self, count: int = 1) -> None:
+        """The current item (or the ``count`` items of a batch) ended: record why in ``item_reasons``:
+        ``"skipped"``, the stop reason when a stop cut it short, else ``"completed"``."""
+        if self.skipping:
+            reason = "skipped"
+        elif self.seen and self.token.reason is not None:
+            reason = self.token.reason
+        else:
+            reason = "completed"
+        self.item_reasons = [*(self.item_reasons or ()), *[reason] * count]
+        self.skipping = False
 
     def poll(self) -> None:
         """A check inside a model forward: in abort mode raise :class:`Abort` if stopped.
@@ -146,6 +208,7 @@ class RunControl:
         if not stopped and rows_stopped_at is not None:
             stopped, reason, latency = True, "stop_string", max(0.0, self._ended - rows_stopped_at)
         fields.setdefault("mode", self.mode)
+        fields.setdefault("item_reasons", self.item_reasons)
         return Outcome(
             stopped=stopped,
             reason=reason,  # type: ignore[arg-type]

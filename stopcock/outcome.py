@@ -20,7 +20,9 @@ class Outcome:
     when the stop took effect, i.e. a check saw it before the run ended; a stop that arrives after
     the last check changes nothing. ``stop_latency`` is measured from the stop request (or from the
     start of the run, if the request came earlier) to the return. ``mode`` is the mode actually
-    used, which can differ from the one asked for (``detail`` then says why).
+    used, which can differ from the one asked for (``detail`` then says why). ``item_reasons``
+    (runs over several inputs) says how each item that started ended: ``"completed"``,
+    ``"skipped"`` or the stop reason; items that never started are not listed.
     """
 
     stopped: bool
@@ -36,6 +38,7 @@ class Outcome:
     row_reasons: list[str] | None = None
     detail: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    item_reasons: list[str] | None = None
 
     @classmethod
     def without_output(
@@ -94,5 +97,6 @@ class Outcome:
             "mode": self.mode,
             "partial": self.partial,
             "row_reasons": self.row_reasons,
+            "item_reasons": self.item_reasons,
             "detail": self.detail,
         }

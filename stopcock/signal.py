@@ -30,6 +30,8 @@ class StopSignal:
         self._callbacks = Callbacks(self._cond)
         self._children: weakref.WeakSet[StopSignal] = weakref.WeakSet()
         self._parent: StopSignal | None = None  # a child keeps its parent (and so the chain) alive
+        self._skips = 0  # skip() calls: a run compares it with the count when its current item began
+        self._after_item: tuple[str] | None = None  # the reason given to stop_after_item()
 
     def __repr__(self) -> str:
         state = f"stopped, reason={self.reason!r}" if self.stopped else "running"
@@ -115,8 +117,52 @@ class StopSignal:
         kid = StopSignal()
         kid._parent = self
         with self._cond:
+            kid._after_item = self._after_item
             if not self.stopped:
                 self._children.add(kid)
                 return kid
         kid.stop(self._claim["reason"][0])
         return kid
+
+    # -- multi-item runs: skip the current item, or stop once it is done ----------------------------
+    @property
+    def skips(self) -> int:
+        """How many times :meth:`skip` was called."""
+        return self._skips
+
+    @property
+    def after_item(self) -> str | None:
+        """The reason given to :meth:`stop_after_item` (the first one), or None."""
+        claim = self._after_item
+        return None if claim is None else claim[0]
+
+    def skip(self) -> None:
+        """End the current item of a run and go on with the next one (a run of one item ends).
+
+        Seen at the run's next step, as a stop is; a skip made when no item is running is ignored
+        by the items that start later. Children are skipped too. Safe from any thread and from a
+        signal handler.
+        """
+        with self._cond:
+            self._skips += 1
+            children = list(self._children)
+        for child in children:
+            child.skip()
+
+    def stop_after_item(self, reason: str = "user") -> bool:
+        """Let the current item of a run finish, then start no new one; the run ends with ``reason``.
+
+        It does not stop this signal: :attr:`stopped` stays False, and a later :meth:`stop` still
+        stops at the next step. The first reason wins; returns whether this call set it. Children
+        follow.
+        """
+        if not isinstance(reason, str) or not reason:
+            raise TypeError(f"reason must be a non-empty str, got {reason!r}")
+        with self._cond:
+            if self._after_item is not None:
+                return False
+            self._after_item = (reason,)
+            children = list(self._children)
+        for child in children:
+            child.stop_after_item(reason)
+        return True

@@ -155,3 +155,38 @@ def ray_serve(text_model_dir, image_model_dir, tmp_path_factory):
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+# -- the command line (tests/test_cli*.py) ------------------------------------------------
+CLI_PROMPT = "Beautiful is"
+
+
+@pytest.fixture(scope="session")
+def zen_text():
+    """The demo text model's greedy continuation of CLI_PROMPT after n tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from stopcock.tiny.demo import demo_model
+
+    model = AutoModelForCausalLM.from_pretrained(demo_model("text")).eval()
+    tokenizer = AutoTokenizer.from_pretrained(demo_model("text"))
+    inputs = tokenizer(CLI_PROMPT, return_tensors="pt")
+    out = model.generate(**inputs, max_new_tokens=40, do_sample=False)
+    new = out[0, inputs["input_ids"].shape[1]:]
+    return lambda n: tokenizer.decode(new[:n], skip_special_tokens=True)
+
+
+@pytest.fixture
+def run_main(capsys):
+    """Run ``stopcock.cli.main(args)`` in this process (quicker): returns (exit code, stdout, stderr)."""
+
+    def call(*args: str) -> tuple[int, str, str]:
+        from stopcock.cli import main
+
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return call
+
+

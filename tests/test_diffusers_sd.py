@@ -82,7 +82,7 @@ def test_denoised_preview_differs_from_raw_and_both_decode(sd):
     assert not np.array_equal(raw.output.images, denoised.output.images)
 
 
-def test_a_stop_from_another_thread_lands_at_the_next_step(sd, count_forwards):
+def test_a_stop_from_another_thread_during_on_step_ends_that_step(sd, count_forwards):
     counts = count_forwards(sd.unet)
     signal = stopcock.StopSignal()
     at_step_two = threading.Event()
@@ -97,7 +97,7 @@ def test_a_stop_from_another_thread_lands_at_the_next_step(sd, count_forwards):
     outcome = stopcock.run(sd, **kwargs(), stop=signal, on_step=on_step)
     stopper.join()
     assert outcome.stopped and outcome.reason == "button"
-    assert outcome.steps == 3 and counts[sd.unet] == 3
+    assert outcome.steps == 2 and counts[sd.unet] == 2  # on_step runs before the check: step 2 ends it
     assert outcome.output.images.shape == (1, 64, 64, 3)
 
 
@@ -295,11 +295,11 @@ def test_step_callback_wraps_pipeline_callbacks(sd, count_forwards, form):
     assert isinstance(combined, MultiPipelineCallbacks)
     assert set(combined.tensor_inputs) == set(theirs.tensor_inputs)
     sd(**kwargs(callback_on_step_end=combined))
-    assert calls[sd.unet] == 3  # stopped by on_step after step 2's check: seen at the end of step 3
+    assert calls[sd.unet] == 2  # stopped by on_step at step 2: on_step runs before the check
     assert signal.reason == "user" and sd.interrupt
     assert sd.guidance_scale == 0.0  # their cutoff ran
     if form == "MultiPipelineCallbacks":
-        assert record.steps == [(i, ["latents", "prompt_embeds"]) for i in range(3)]
+        assert record.steps == [(i, ["latents", "prompt_embeds"]) for i in range(2)]
 
 
 def test_step_callback_refuses_a_pipeline_that_ignores_interrupt(lcm, count_forwards):

@@ -251,6 +251,42 @@ def test_a_seed_gives_the_same_text_whatever_else_runs(client):
     assert beside == alone != other
 
 
+# -- items: several prompts, skip, stop after the current one -------------------------------------
+PROMPTS = ["Once upon a time", "Hello world", "The quick brown fox"]
+
+
+def act_on_item(client: httpx.Client, job_id: str, item: int, step: int, path: str) -> list[dict[str, Any]]:
+    """Follow the job; once item ``item`` reached ``step``, POST ``path``; every event up to done."""
+    seen, current, acted = [], None, False
+    for event in events(client, job_id):
+        seen.append(event)
+        if event["type"] == "item" and event["state"] == "started":
+            current = event["index"]
+        if not acted and current == item and event["type"] == "progress" and event["step"] >= step:
+            response = client.post(f"/v1/jobs/{job_id}/{path}")
+            assert response.status_code == 200, response.text
+            assert response.json()["state"] == "running"  # answered at once, the job still running
+            acted = True
+    assert acted
+    return seen
+
+
+def test_skip_ends_the_current_item_and_the_job_goes_on(client):
+    job = submit(client, {"kind": "text", "prompts": PROMPTS, "parameters": {"max_tokens": 30}})
+    done = act_on_item(client, job["id"], 0, 2, "skip")[-1]
+    assert done["state"] == "completed"
+    assert done["outcome"]["item_reasons"] == ["skipped", "completed", "completed"]
+
+
+def test_a_stop_after_the_item_lets_it_finish_and_starts_no_other(client):
+    job = submit(client, {"kind": "text", "prompts": PROMPTS, "parameters": {"max_tokens": 8}})
+    seen = act_on_item(client, job["id"], 0, 2, "stop?at=item")
+    done = seen[-1]
+    assert done["state"] == "stopped"
+    assert [e["index"] for e in seen if e["type"] == "item" and e["state"] == "started"] == [0]
+    assert done["outcome"]["item_reasons"][0] == "completed" and done["step"] == 8
+
+
 # -- keys --------------------------------------------------------------------------------------------
 PUBLIC = {"/", "/openapi.json", "/docs", "/redoc"}
 

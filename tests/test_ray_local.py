@@ -114,9 +114,9 @@ def test_claims_are_ordered_with_stops():
         # the stop of a claimed job waits for its replica's poll
         view = await registry.stop("job-a", OWNER, "user", wait=False)
         assert view.state == "stopping"
-        stops, known = await registry.poll("r1", [], ["job-a"], 0, 0, 0.0)
+        stops, known, _ = await registry.poll("r1", [], ["job-a"], 0, 0, 0.0)
         assert stops == {"job-a": "user"} and known is False  # r1 never registered here
-        stops, _ = await registry.poll("r1", ["job-a"], ["job-a"], 0, 0, 0.0)
+        stops, _, _ = await registry.poll("r1", ["job-a"], ["job-a"], 0, 0, 0.0)
         assert stops == {}  # applied
 
     asyncio.run(main())
@@ -162,7 +162,7 @@ def test_a_restarted_registry_reads_back_every_acknowledged_stop(tmp_path):
         assert await registry.claim("tombstone", "r2") is None  # it still never starts
         claimed = await registry.get("claimed", OWNER)
         assert claimed.state == "stopping"
-        stops, _ = await registry.poll("r1", [], ["claimed"], 0, 0, 0.0)
+        stops, _, _ = await registry.poll("r1", [], ["claimed"], 0, 0, 0.0)
         assert stops == {"claimed": "disconnected"}  # sent again to the replica that runs it
         found = await registry.result("ended", OWNER)
         assert found["job"]["state"] == "completed" and found["result"] == {"text": "ended!"}

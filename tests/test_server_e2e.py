@@ -91,3 +91,29 @@ def test_generate_then_stop_in_the_browser(page, url, kind, field, size, progres
     page.screenshot(path=str(shot), full_page=True)
     print(f"screenshot: {shot}")
     assert shot.stat().st_size > 0
+
+
+def test_skip_and_stop_after_this_one_in_the_browser(page, url):
+    """Three prompts, one per line: Skip ends the first, Stop after this one lets the second finish."""
+    page.check("input[name=kind][value=text]")
+    page.fill("#prompt", "Once upon a time\nHello world\nThe quick brown fox")
+    page.check("#each-line")
+    page.fill("#max-tokens", "100")
+    page.click("#generate")
+    items = page.locator("#items li")
+    page.wait_for_function("document.querySelector('#items li').dataset.state === 'running'"
+                           " && Number(document.getElementById('progress').value) >= 3")
+    page.click("#skip")
+    items.nth(0).and_(page.locator("[data-reason=skipped]")).wait_for()
+    items.nth(1).and_(page.locator("[data-state=running]")).wait_for()
+    page.click("#stop-after")
+    status = page.locator("#status[data-state=stopped]")
+    status.wait_for()
+    assert [items.nth(i).get_attribute("data-reason") for i in range(3)] == ["skipped", "completed", None]
+    assert items.nth(2).get_attribute("data-state") == "waiting"  # never started
+    server = _server_view(url, status.get_attribute("data-job"))
+    assert (server["state"], server["reason"]) == ("stopped", "user")
+    assert server["outcome"]["item_reasons"] == ["skipped", "completed"]
+    assert page.is_disabled("#skip") and page.is_disabled("#stop-after") and page.is_enabled("#generate")
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "server-e2e-items.png"), full_page=True)

@@ -13,7 +13,7 @@ import copy
 import inspect
 import math
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ from ..conditions import from_options
 from ..errors import UserError
 from ..events import RowDecoder
 from ..files import png_base64
+from ..items import run_each
 from ..loading import load_image_pipeline, load_text_model, resolve_model
 from ..outcome import Outcome
 from ..previews import latent_preview, previewable
@@ -69,16 +70,21 @@ class TextBackend:
             return str(text)
         return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
+    def prompts(self, spec: JobSpec) -> tuple[str, ...]:
+        """The job's prompt texts: its several ``prompts``, or its one :meth:`prompt`."""
+        return spec.prompts if spec.prompts is not None else (self.prompt(spec),)
+
     def validate(self, spec: JobSpec) -> None:
-        tokens = len(self.tokenizer(self.prompt(spec))["input_ids"])
-        if tokens == 0:
-            raise InvalidJob("the prompt is empty once tokenized; give some text")
-        wanted = tokens + spec.params["max_tokens"]
-        if self.context is not None and wanted > self.context:
-            raise InvalidJob(
-                f"the prompt ({tokens} tokens) plus max_tokens ({spec.params['max_tokens']}) exceeds the"
-                f" model's context of {self.context} tokens; shorten the prompt or lower max_tokens"
-            )
+        for prompt in self.prompts(spec):
+            tokens = len(self.tokenizer(prompt)["input_ids"])
+            if tokens == 0:
+                raise InvalidJob("the prompt is empty once tokenized; give some text")
+            wanted = tokens + spec.params["max_tokens"]
+            if self.context is not None and wanted > self.context:
+                raise InvalidJob(
+                    f"the prompt ({tokens} tokens) plus max_tokens ({spec.params['max_tokens']}) exceeds the"
+                    f" model's context of {self.context} tokens; shorten the prompt or lower max_tokens"
+                )
 
     def validator(self) -> TextBackend:
         """A copy without the model that checks jobs (:meth:`validate`) and cannot run them: light and
@@ -133,28 +139,31 @@ class TextLane:
 
     def execute(self, spec: JobSpec, ctx: RunContext) -> Outcome:
         params = spec.params
-        prompt = self.backend.prompt(spec)
-        prompt_len = len(self.backend.tokenizer(prompt)["input_ids"])
-        rows = RowDecoder(self.backend.tokenizer)
-        pieces: list[str] = []
 
-        def publish(chunks: list[Any], step: int) -> None:
-            for chunk in chunks:
-                pieces.append(chunk.text)
-                ctx.text(chunk.text, step)
+        def one(prompt: str) -> tuple[Outcome, dict[str, Any]]:
+            prompt_len = len(self.backend.tokenizer(prompt)["input_ids"])
+            rows = RowDecoder(self.backend.tokenizer)
+            pieces: list[str] = []
 
-        outcome = run(
-            self.pipe,
-            prompt,
-            stop=ctx.stop(from_options(spec.stop)),
-            on_step=ctx.on_step(lambda state: publish(rows.chunks(state), state.step)),
-            max_new_tokens=params["max_tokens"],
-            return_full_text=False,
-            **self.decoding(params),
-        )
-        publish(rows.flush(), outcome.steps)
-        ctx.set_result(text="".join(pieces), prompt_tokens=prompt_len, completion_tokens=outcome.steps)
-        return outcome
+            def publish(chunks: list[Any], step: int) -> None:
+                for chunk in chunks:
+                    pieces.append(chunk.text)
+                    ctx.text(chunk.text, step)
+
+            outcome = run(
+                self.pipe,
+                prompt,
+                stop=ctx.stop(from_options(spec.stop)),
+                on_step=ctx.on_step(lambda state: publish(rows.chunks(state), state.step)),
+                max_new_tokens=params["max_tokens"],
+                return_full_text=False,
+                **self.decoding(params),
+            )
+            publish(rows.flush(), outcome.steps)
+            text = "".join(pieces)
+            return outcome, {"text": text, "prompt_tokens": prompt_len, "completion_tokens": outcome.steps}
+
+        return each_item(spec, ctx, self.backend.prompts(spec), one)
 
 
 # job parameter -> the diffusers pipeline argument
@@ -227,7 +236,8 @@ class ImageLane:
 
     def execute(self, spec: JobSpec, ctx: RunContext) -> Outcome:
         params = spec.params
-        generator = torch.Generator().manual_seed(params["seed"] if params.get("seed") is not None else 0)
+        seed = params["seed"] if params.get("seed") is not None else 0
+        generator = torch.Generator()
         xl = "XL" in type(self.pipe).__name__
         preview = params["previews"] and getattr(self.pipe, "vae", None) is not None
 
@@ -235,18 +245,50 @@ class ImageLane:
             if preview and previewable(state.latents):
                 ctx.preview(latent_preview(state.latents, xl=xl), state.step)
 
-        outcome = run(
-            self.pipe,
-            prompt=spec.prompt,
-            stop=ctx.stop(from_options(spec.stop)),
-            on_step=ctx.on_step(report),
-            partial=params["partial"],
-            generator=generator,
-            **self.backend.call_kwargs(params),
-        )
-        images = getattr(outcome.output, "images", None)
-        ctx.set_result(image=None if not images else png_base64(images[0]), detail=outcome.detail)
+        def one(prompt: str) -> tuple[Outcome, dict[str, Any]]:
+            generator.manual_seed(seed)  # each prompt from the same seed
+            outcome = run(
+                self.pipe,
+                prompt=prompt,
+                stop=ctx.stop(from_options(spec.stop)),
+                on_step=ctx.on_step(report),
+                partial=params["partial"],
+                generator=generator,
+                **self.backend.call_kwargs(params),
+            )
+            images = getattr(outcome.output, "images", None)
+            return outcome, {"image": None if not images else png_base64(images[0]), "detail": outcome.detail}
+
+        prompts = spec.prompts if spec.prompts is not None else (spec.prompt or "",)
+        return each_item(spec, ctx, prompts, one)
+
+
+def each_item(
+    spec: JobSpec, ctx: RunContext, prompts: tuple[str, ...],
+    one: Callable[[str], tuple[Outcome, dict[str, Any]]],
+) -> Outcome:
+    """Run ``one(prompt)`` and set the job's result: for a job of one prompt, that run's result; for
+    several (``spec.prompts``), one run per prompt while the job's signal allows
+    (:func:`stopcock.items.run_each`: skip, stop after the current item), each item announced with
+    ``ctx.item`` and its result in ``items``."""
+    if spec.prompts is None:
+        outcome, result = one(prompts[0])
+        ctx.set_result(**result)
         return outcome
+    items: list[dict[str, Any]] = []
+    order = iter(range(len(prompts)))
+
+    def run_one(prompt: str) -> Outcome:
+        index = next(order)
+        ctx.item(index, prompt)
+        outcome, result = one(prompt)
+        items.append({"prompt": prompt, "reason": outcome.reason, **result})
+        ctx.item(index, prompt, outcome)
+        return outcome
+
+    _, overall = run_each(ctx.signal, prompts, run_one)
+    ctx.set_result(items=items)
+    return overall
 
 
 def load_backends(text_model: str | None, image_model: str | None) -> dict[str, Backend]:

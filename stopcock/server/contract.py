@@ -9,8 +9,9 @@ implementation; a distributed engine is another, written against this module alo
 Job states: ``queued`` -> ``running`` -> ``stopping`` (a stop was requested) -> ``stopped`` |
 ``completed`` | ``failed``; a queued job that is stopped goes straight to ``stopped`` without
 running. Events (``Event.type``): ``queued``, ``started``, ``progress`` (step, total), ``text``
-(a chunk of generated text), ``preview`` (a PNG of the current step, base64), ``done`` (the
-final view, with the Outcome summary).
+(a chunk of generated text), ``preview`` (a PNG of the current step, base64), ``item`` (an item
+of a job with several prompts started or ended: index, prompt, state, reason, steps), ``done``
+(the final view, with the Outcome summary).
 """
 
 from __future__ import annotations
@@ -62,9 +63,11 @@ class InvalidJob(ValueError):
 class JobSpec:
     """What to run: validated, JSON-able, backend-agnostic.
 
-    ``prompt`` is the text prompt, or None when ``messages`` (chat) is given. ``params`` are the
-    generation parameters of the kind; ``stop`` the stop conditions as options (timeout, deadline,
-    max_steps, stop_strings: :func:`stopcock.conditions.from_options`).
+    ``prompt`` is the text prompt, or None when ``messages`` (chat) or ``prompts`` is given.
+    ``prompts`` are several prompts, run one after the other (the items of the job: each can be
+    skipped, and a stop can wait for the current one). ``params`` are the generation parameters of
+    the kind; ``stop`` the stop conditions as options (timeout, deadline, max_steps, stop_strings:
+    :func:`stopcock.conditions.from_options`), applied to each item's run.
     """
 
     kind: str
@@ -72,6 +75,7 @@ class JobSpec:
     params: Mapping[str, Any] = field(default_factory=dict)
     stop: Mapping[str, Any] = field(default_factory=dict)
     messages: tuple[Mapping[str, str], ...] | None = None
+    prompts: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,10 @@ class RunContext(Protocol):
 
     def set_result(self, **result: Any) -> None: ...
 
+    def item(self, index: int, prompt: str, outcome: Outcome | None = None) -> None:
+        """Publish that item ``index`` (of ``JobSpec.prompts``) started (``outcome`` None) or ended."""
+        ...
+
 
 class Lane(Protocol):
     """A worker's own instance of one kind of model; runs one job at a time."""
@@ -170,7 +178,17 @@ class Engine(Protocol):
 
     async def list(self, owner: str, limit: int = 100) -> list[JobView]: ...
 
-    async def stop(self, job_id: str, owner: str, reason: str = "user", wait: bool = True) -> JobView: ...
+    async def stop(
+        self, job_id: str, owner: str, reason: str = "user", wait: bool = True, at: str = "now"
+    ) -> JobView:
+        """``at="now"``: stop at the next step (see the class docstring). ``at="item"``: let the
+        current item finish and start no other (``StopSignal.stop_after_item``); answers at once."""
+        ...
+
+    async def skip(self, job_id: str, owner: str) -> JobView:
+        """End the job's current item and go on with the next (``StopSignal.skip``; a job of one
+        item ends, reason ``"skipped"``); answers at once. A job not running is left as it is."""
+        ...
 
     async def wait(self, job_id: str, owner: str, timeout: float | None = None) -> JobView: ...
 

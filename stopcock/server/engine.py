@@ -120,22 +120,35 @@ class LocalEngine:
             mine = [job for job in self._jobs.values() if secrets.compare_digest(job.owner, owner)]
         return [job.view() for job in reversed(mine[-limit:])]
 
-    async def stop(self, job_id: str, owner: str, reason: str = "user", wait: bool = True) -> JobView:
+    async def stop(
+        self, job_id: str, owner: str, reason: str = "user", wait: bool = True, at: str = "now"
+    ) -> JobView:
         """Stop a job; with ``wait``, answer once the stop took effect (or ``stop_wait`` passed).
 
         A queued job is removed from the queue and never runs; a running job stops at its next
-        step; a finished job is left as it is. Idempotent.
+        step, or with ``at="item"`` once its current item is done (answered at once, the job still
+        running); a finished job is left as it is. Idempotent.
         """
         job = self._find(job_id, owner)
         with self._lock:
             dequeued = job.state == "queued" and job in self._queue
             if dequeued:
                 self._queue.remove(job)
+            if at == "item" and not dequeued:
+                job.signal.stop_after_item(reason)
+                return job.view()
             job.request_stop(reason)
         if dequeued:
             self._finish(job, "stopped", reason, outcome=None, detail="stopped while queued: it never ran")
         elif wait:
             await self._wait_final(job, self.stop_wait)
+        return job.view()
+
+    async def skip(self, job_id: str, owner: str) -> JobView:
+        """Skip the running job's current item; a queued or finished job is left as it is."""
+        job = self._find(job_id, owner)
+        if job.state == "running":
+            job.signal.skip()
         return job.view()
 
     async def wait(self, job_id: str, owner: str, timeout: float | None = None) -> JobView:

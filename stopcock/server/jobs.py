@@ -256,6 +256,15 @@ class JobContext:
         with self._job.lock:
             self._job.result = result
 
+    def item(self, index: int, prompt: str, outcome: Outcome | None = None) -> None:
+        """Emit an ``item`` event: the item started (no ``outcome``), or ended as ``outcome`` says."""
+        if outcome is None:
+            self._job.emit("item", index=index, prompt=prompt, state="started")
+        else:
+            reason = outcome.reason if outcome.stopped else "completed"
+            self._job.emit("item", index=index, prompt=prompt, state="ended", reason=reason,
+                           steps=outcome.steps)
+
 
 def run_lane(job: Job, lane: Lane, step_delay: float = 0.0) -> Ended:
     """Run the job on ``lane``; returns its final state, reason, Outcome summary and error.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Query, Request
 from fastapi.responses import StreamingResponse
@@ -40,12 +40,23 @@ async def get_job(request: Request, who: Owner, job_id: str) -> dict[str, Any]:
 
 
 @jobs.post("/jobs/{job_id}/stop")
-async def stop_job(request: Request, who: Owner, job_id: str) -> dict[str, Any]:
+async def stop_job(
+    request: Request, who: Owner, job_id: str, at: Annotated[Literal["now", "item"], Query()] = "now"
+) -> dict[str, Any]:
     """Stop this job (only this one) and answer with its state once the stop took effect.
 
-    Idempotent; a queued job is removed without running; a finished job answers as it ended.
+    ``?at=item``: let the current item (prompt) finish and start no other; answered at once, while
+    the item runs. Idempotent; a queued job is removed without running; a finished job answers as
+    it ended.
     """
-    return (await engine_of(request).stop(job_id, who, "user")).to_json()
+    return (await engine_of(request).stop(job_id, who, "user", at=at)).to_json()
+
+
+@jobs.post("/jobs/{job_id}/skip")
+async def skip_job(request: Request, who: Owner, job_id: str) -> dict[str, Any]:
+    """End the job's current item (prompt) and go on with the next; a job of one prompt ends
+    (reason ``"skipped"``). Answered at once; a job not running is left as it is."""
+    return (await engine_of(request).skip(job_id, who)).to_json()
 
 
 @jobs.get("/jobs/{job_id}/result")

@@ -155,17 +155,19 @@ def spec_to_json(spec: JobSpec) -> dict[str, Any]:
         "params": dict(spec.params),
         "stop": dict(spec.stop),
         "messages": None if spec.messages is None else [dict(m) for m in spec.messages],
+        "prompts": None if spec.prompts is None else list(spec.prompts),
     }
 
 
 def spec_from_json(data: Mapping[str, Any]) -> JobSpec:
-    messages = data.get("messages")
+    messages, prompts = data.get("messages"), data.get("prompts")
     return JobSpec(
         data["kind"],
         data["prompt"],
         dict(data["params"]),
         dict(data["stop"]),
         None if messages is None else tuple(dict(m) for m in messages),
+        None if prompts is None else tuple(prompts),
     )
 
 
@@ -270,11 +272,22 @@ class RayEngine:
         views: list[JobView] = await self._ask("jobs_of", owner, limit)
         return views
 
-    async def stop(self, job_id: str, owner: str, reason: str = "user", wait: bool = True) -> JobView:
-        """Stop a job (see :meth:`JobRegistry.stop`). The call to the registry runs on its own, so a
-        client that goes away before the answer does not take the stop with it."""
-        task = _detached(lambda: self._ask("stop", job_id, owner, reason, wait), self._detached)
-        view: JobView = await asyncio.shield(task)
+    async def stop(
+        self, job_id: str, owner: str, reason: str = "user", wait: bool = True, at: str = "now"
+    ) -> JobView:
+        """Stop a job (see :meth:`JobRegistry.stop`; ``at="item"``: :meth:`JobRegistry.ask`). The call
+        to the registry runs on its own, so a client that goes away before the answer does not take
+        the stop with it."""
+        if at == "item":
+            call = lambda: self._ask("ask", job_id, owner, "after_item", reason)  # noqa: E731
+        else:
+            call = lambda: self._ask("stop", job_id, owner, reason, wait)  # noqa: E731
+        view: JobView = await asyncio.shield(_detached(call, self._detached))
+        return view
+
+    async def skip(self, job_id: str, owner: str) -> JobView:
+        """Skip the running job's current item (see :meth:`JobRegistry.ask`)."""
+        view: JobView = await self._ask("ask", job_id, owner, "skip", "skipped")
         return view
 
     async def wait(self, job_id: str, owner: str, timeout: float | None = None) -> JobView:
@@ -369,6 +382,7 @@ class _Record:
         self.claimed_by: str | None = None
         self.stop: str | None = None  # the reason, once a stop was asked
         self.stop_applied = False  # the replica said it applied the stop
+        self.asks: list[tuple[str, str]] = []  # (action, reason) for its replica: "skip", "after_item"
         self.journaled_end = False
 
     @property
@@ -509,6 +523,21 @@ class JobRegistry:
                     await wait_final(record.job, self.stop_wait)
         return record.job.view()
 
+    async def ask(self, job_id: str, owner: str, action: str, reason: str) -> JobView | Refused:
+        """Skip the current item (``action="skip"``) or stop after it (``"after_item"``), answered at
+        once. A job no replica has claimed has no current item: a skip leaves it as it is, a stop
+        after the item stops it now. Delivered to the replica with its next poll (not journaled)."""
+        record = self._find(job_id, owner)
+        if isinstance(record, Refused):
+            return record
+        if record.final:
+            return record.job.view()
+        if record.claimed_by is None:
+            return record.job.view() if action == "skip" else await self.stop(job_id, owner, reason, False)
+        record.asks.append((action, reason))
+        self._wake(record.claimed_by)
+        return record.job.view()
+
     async def wait(self, job_id: str, owner: str, timeout: float | None) -> JobView | Refused:
         record = self._find(job_id, owner)
         if isinstance(record, Refused):
@@ -634,10 +663,11 @@ class JobRegistry:
 
     async def poll(
         self, replica: str, applied: list[str], running: list[str], peak: int, busy: int, timeout: float
-    ) -> tuple[dict[str, str], bool]:
+    ) -> tuple[dict[str, str], bool, list[tuple[str, str, str]]]:
         """A replica's long poll: the stops asked for its jobs that it has not applied yet, as
-        ``{job_id: reason}`` (waiting up to ``timeout`` for one), and whether this registry knows the
-        replica (False after a registry restart: it then registers again)."""
+        ``{job_id: reason}`` (waiting up to ``timeout`` for one), whether this registry knows the
+        replica (False after a registry restart: it then registers again), and the other asks for
+        its jobs as ``(job_id, action, reason)`` (see :meth:`ask`)."""
         self._seen(replica, peak, busy)
         for job_id in applied:
             record = self._jobs.get(job_id)
@@ -648,14 +678,14 @@ class JobRegistry:
             if record is not None and record.claimed_by == replica and not record.final:
                 self._claims[replica].add(job_id)
         pending = self._pending(replica)
-        if not pending:
+        if not pending and not self._asks(replica, take=False):
             event = self._pollers[replica] = asyncio.Event()
             try:
                 await asyncio.wait_for(event.wait(), timeout)
             except asyncio.TimeoutError:
                 pass
             pending = self._pending(replica)
-        return pending, replica in self._replicas
+        return pending, replica in self._replicas, self._asks(replica, take=True)
 
     # -- operations and tests ----------------------------------------------------------------------
     async def placement(self, job_id: str) -> str | None:
@@ -719,6 +749,16 @@ class JobRegistry:
         poller = self._pollers.get(replica)
         if poller is not None:
             poller.set()
+
+    def _asks(self, replica: str, *, take: bool) -> list[tuple[str, str, str]]:
+        """The asks waiting for ``replica``'s jobs; ``take`` hands them over (cleared here)."""
+        found = []
+        for job_id in self._claims.get(replica, ()):
+            record = self._jobs[job_id]
+            found += [(job_id, action, reason) for action, reason in record.asks]
+            if take:
+                record.asks = []
+        return found
 
     def _pending(self, replica: str) -> dict[str, str]:
         pending = {}
@@ -1065,7 +1105,7 @@ class ModelReplica:
     async def _poll_loop(self) -> None:
         applied: list[str] = []
         while True:
-            stops, known = await _call(
+            stops, known, asks = await _call(
                 self.registry,
                 "poll",
                 self.name,
@@ -1082,6 +1122,10 @@ class ModelReplica:
                 if job is not None:
                     job.request_stop(reason)  # the step reached now is the job's stop_step
                 applied.append(job_id)
+            for job_id, action, reason in asks:
+                job = self._jobs.get(job_id)
+                if job is not None:
+                    job.signal.skip() if action == "skip" else job.signal.stop_after_item(reason)
             if not known:
                 await self._register()
 

@@ -17,6 +17,7 @@ from .contract import JobSpec
 
 # Limits. Prompt length is also checked in tokens against the model (see the text lane).
 MAX_PROMPT_CHARS = 4000
+MAX_PROMPTS = 16  # prompts of one job
 MAX_TOKENS = 1024
 MAX_STEPS = 200
 MAX_IMAGE_SIDE = 512
@@ -77,16 +78,26 @@ class ImageParameters(Strict):
 
 
 class _JobBody(Strict):
-    """A job body; each kind narrows ``kind`` and ``parameters``."""
+    """A job body; each kind narrows ``kind`` and ``parameters``. ``prompt``, or ``prompts``: several,
+    run one after the other (each can be skipped; a stop can wait for the current one)."""
 
     kind: str
-    prompt: Prompt
+    prompt: Prompt | None = None
+    prompts: list[Prompt] | None = Field(default=None, min_length=1, max_length=MAX_PROMPTS)
     parameters: Strict
     stop: StopConditions = Field(default_factory=lambda: StopConditions())
 
+    @model_validator(mode="after")
+    def _one_prompt_field(self) -> _JobBody:
+        if (self.prompt is None) == (self.prompts is None):
+            raise ValueError("give either prompt (one) or prompts (a list), not both and not neither")
+        return self
+
     def spec(self) -> JobSpec:
+        prompts = None if self.prompts is None else tuple(self.prompts)
         return JobSpec(
-            self.kind, self.prompt, self.parameters.model_dump(), self.stop.model_dump(exclude_none=True)
+            self.kind, self.prompt, self.parameters.model_dump(), self.stop.model_dump(exclude_none=True),
+            prompts=prompts,
         )
 
 
