@@ -1,4 +1,5 @@
-"""The ``stopcock`` command line: ``demo``, ``text``, ``image`` (and ``serve``, from :mod:`stopcock.server`).
+"""The ``stopcock`` command line: ``demo``, ``text``, ``image``, ``resume`` (and ``serve``, from
+:mod:`stopcock.server`).
 
 Also ``python -m stopcock`` (and ``python -m stopcock.cli``, which runs this same module's :func:`main`).
 
@@ -27,6 +28,7 @@ from .items import run_each
 from .loading import check_steps, load_image_pipeline, load_text_model, resolve_model
 from .outcome import Outcome
 from .previews import latent_preview, previewable
+from .resume import resume
 from .runner import run
 from .signal import StopSignal
 from .types import MODES, PARTIALS, Mode
@@ -52,7 +54,7 @@ EXIT_CODES = {
 
 JSON_SCHEMA = """\
 --json prints one JSON object on stdout when the run ends (nothing else goes to stdout):
-  command        "text" or "image"
+  command        "text", "image" or "resume"
   model          the model folder or hub id used
   stopped        true when a stop took effect
   reason         why it ended: "interrupted", "timeout", "stop_string", "max_steps", ... when
@@ -69,7 +71,9 @@ JSON_SCHEMA = """\
   file           image: the PNG written (null if none), with this object in its "stopcock" text chunk
   image          image: "complete", "partial" (decoded from where it stopped) or "latent preview"
                  (a rough preview of the last latents, no VAE decode: abort mode, second Ctrl+C)
-  seed           image: the seed"""
+  seed           image: the seed
+  checkpoint     image and resume with --checkpoint: the checkpoint file written, or null (completed)
+  resumed        resume: from_step, saved_steps (not recomputed), exact (bit-identical), how"""
 
 
 def _epilog() -> str:
@@ -80,12 +84,13 @@ def _epilog() -> str:
 
 def run_interruptible(
     target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, ctrl_c: CtrlC, conditions: list[Condition],
-    mode: Mode, progress: Progress,
+    mode: Mode, progress: Progress, call: Callable[..., Outcome] = run,
 ) -> Outcome:
-    """``stopcock.run`` with Ctrl+C wired to a stop signal (see :class:`CtrlC`, installed by the caller)."""
+    """``stopcock.run`` (or ``call``, e.g. a resume) with Ctrl+C wired to a stop signal (see
+    :class:`CtrlC`, installed by the caller)."""
     ctrl_c.phase = "running"
     try:
-        return run(target, *args, stop=[ctrl_c.stop, *conditions], mode=mode, on_step=progress, **kwargs)
+        return call(target, *args, stop=[ctrl_c.stop, *conditions], mode=mode, on_step=progress, **kwargs)
     except KeyboardInterrupt:
         if ctrl_c.presses < 2:
             raise
@@ -242,6 +247,24 @@ def numbered(out: Path, index: int, count: int) -> Path:
     return out if count == 1 else out.with_name(f"{out.stem}-{index}{out.suffix}")
 
 
+def save_image(outcome: Outcome, out: Path, run: dict[str, Any], *, quiet: bool,
+               checkpoint: Path | None = None, notes: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Save the run's image, with the Outcome and ``run`` (prompt, model, seed) in its metadata, and,
+    when it stopped, its checkpoint to ``checkpoint`` (with ``notes`` for ``stopcock resume``).
+    Returns what the report adds: the file, what the image is, and the checkpoint's file."""
+    image, kind = image_of(outcome)
+    fields: dict[str, Any] = {"file": None if image is None else str(out), "image": kind}
+    if checkpoint is not None:
+        fields["checkpoint"] = save_checkpoint(outcome, checkpoint, {**run, **(notes or {}), "out": str(out)},
+                                               quiet=quiet)
+    if image is not None:
+        save_png(image, out, {**outcome.summary(), "exit_code": exit_code(outcome), "image": kind, **run})
+    if not quiet:
+        saved = f"saved the {kind} image to {out}" if image is not None else "no image to save"
+        print(f"stopcock: {saved}", file=sys.stderr)
+    return fields
+
+
 def cmd_image(args: argparse.Namespace) -> int:
     import torch
 
@@ -249,6 +272,9 @@ def cmd_image(args: argparse.Namespace) -> int:
     prompts = read_prompts(args)
     model_spec = resolve_model(args.model, "image")
     outs = [writable(numbered(Path(args.out), i, len(prompts))) for i in range(1, len(prompts) + 1)]
+    checkpoint = None if args.checkpoint is None else writable(Path(args.checkpoint), "--checkpoint")
+    if checkpoint is not None and len(prompts) > 1:
+        raise UsageError("--checkpoint saves the checkpoint of one run: give one prompt")
     with CtrlC().installed() as ctrl_c:
         try:
             pipe = load_image_pipeline(model_spec, quiet=args.model is None)
@@ -265,18 +291,14 @@ def cmd_image(args: argparse.Namespace) -> int:
                 "num_inference_steps": args.steps,
                 "generator": torch.Generator("cpu").manual_seed(args.seed),  # the same seed for each prompt
                 "partial": args.partial,
+                "checkpoint": checkpoint is not None,
             }
             progress = Progress(_progress_style(args, echoing=False))
             outcome = run_interruptible(pipe, (prompt,), kwargs, ctrl_c=ctrl_c, conditions=_conditions(args),
                                         mode=args.mode, progress=progress)
-            image, kind = image_of(outcome)
-            if image is not None:
-                save_png(image, out, {**outcome.summary(), "exit_code": exit_code(outcome), "image": kind,
-                                      "prompt": prompt, "model": model_spec, "seed": args.seed})
-            if not args.json:
-                saved = f"saved the {kind} image to {out}" if image is not None else "no image to save"
-                print(f"stopcock: {saved}", file=sys.stderr)
-            return outcome, {"file": None if image is None else str(out), "image": kind}
+            run_info = {"prompt": prompt, "model": model_spec, "seed": args.seed}
+            return outcome, save_image(outcome, out, run_info, quiet=args.json, checkpoint=checkpoint,
+                                       notes={"partial": args.partial})
 
         head = {"command": "image", "model": model_spec}
         if len(prompts) == 1:
@@ -284,6 +306,67 @@ def cmd_image(args: argparse.Namespace) -> int:
             return report(outcome, {**head, **fields, "seed": args.seed}, as_json=args.json, unit="step")
         overall, items = each_prompt(prompts, ctrl_c, one)
         return report(overall, {**head, "items": items, "seed": args.seed}, as_json=args.json, unit="step")
+
+
+def save_checkpoint(outcome: Outcome, path: Path, run: dict[str, Any], *, quiet: bool) -> str | None:
+    """Save a stopped run's checkpoint with what ``stopcock resume`` needs (``run``: model, prompt,
+    seed, output file); returns the path, or None when there is nothing to resume."""
+    checkpoint = outcome.checkpoint
+    if not outcome.stopped or checkpoint is None:
+        if not quiet and outcome.stopped:
+            print("stopcock: no checkpoint: the run was abandoned inside a step", file=sys.stderr)
+        return None
+    checkpoint.notes["cli"] = {"command": "image", **run}
+    checkpoint.save(path)
+    if not quiet:
+        print(f"stopcock: saved a checkpoint at step {checkpoint.steps} to {path}: `stopcock resume {path}`"
+              " finishes it", file=sys.stderr)
+    return str(path)
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    """Finish the image of a checkpoint saved by ``stopcock image --checkpoint FILE``, by replay: the
+    same image as an uninterrupted run. Stopped again (Ctrl+C once), it saves a new checkpoint."""
+    from .checkpoint import Checkpoint, CheckpointError
+
+    started = time.monotonic()
+    try:
+        checkpoint = Checkpoint.load(args.file)
+    except (CheckpointError, OSError) as exc:
+        raise UserError(f"cannot resume {args.file}: {exc}") from None
+    if checkpoint.kind != "diffusers":
+        raise UsageError(f"{args.file} is a {checkpoint.describe()}: stopcock resume finishes images;"
+                         " resume it in Python: stopcock.resume(model, stopcock.Checkpoint.load(path))")
+    saved = dict(checkpoint.notes.get("cli") or {})
+    if args.model is None and "model" not in saved:
+        raise UsageError(f"{args.file} was not saved by `stopcock image`: name its model with --model")
+    model_spec = resolve_model(args.model or saved["model"], "image")
+    out = writable(Path(args.out or saved.get("out") or "stopcock.png"))
+    again = writable(Path(args.checkpoint or args.file), "--checkpoint")
+    run_info = {"prompt": saved.get("prompt"), "model": model_spec, "seed": saved.get("seed")}
+    head = {"command": "resume", "model": model_spec}
+    with CtrlC().installed() as ctrl_c:
+        try:
+            pipe = load_image_pipeline(model_spec, quiet=args.model is None)
+        except KeyboardInterrupt:
+            return report(not_started(args.mode, started), {**head, "file": None, "image": None,
+                                                            "seed": run_info["seed"]},
+                          as_json=args.json, unit="step")
+        progress = Progress(_progress_style(args, echoing=False))
+
+        def resumed(target: Any, **options: Any) -> Outcome:
+            return resume(target, checkpoint, record=True, **options)
+
+        partial = args.partial or saved.get("partial")
+        try:
+            outcome = run_interruptible(pipe, (), {"partial": partial}, ctrl_c=ctrl_c,
+                                        conditions=_conditions(args), mode=args.mode, progress=progress,
+                                        call=resumed)
+        except CheckpointError as exc:
+            raise UserError(f"cannot resume {args.file} with {model_spec}: {exc}") from None
+        fields = save_image(outcome, out, run_info, quiet=args.json, checkpoint=again,
+                            notes={"partial": partial})
+        return report(outcome, {**head, **fields, "seed": run_info["seed"]}, as_json=args.json, unit="step")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -371,7 +454,26 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a stopped image shows the model's estimate of the clean image (denoised,"
                             " default) or the noisy latents as they were (raw)")
     image.add_argument("--seed", type=_SEED, default=0, metavar="N", help="default 0")
+    image.add_argument("--checkpoint", metavar="FILE",
+                       help="when the run is stopped (Ctrl+C once, --timeout, --stop-at-step), save a"
+                            " checkpoint there: `stopcock resume FILE` finishes the image exactly")
     image.set_defaults(func=cmd_image)
+
+    resumed = sub.add_parser("resume", help="finish an image from the checkpoint of `stopcock image"
+                             " --checkpoint`", epilog=f"{_epilog()}\n\n{JSON_SCHEMA}", formatter_class=fmt)
+    resumed.add_argument("file", metavar="FILE", help="the checkpoint")
+    resumed.add_argument("--model", metavar="PATH_OR_ID", help="the model (default: the checkpoint's)")
+    resumed.add_argument("--out", metavar="FILE", help="the PNG (default: the stopped run's --out)")
+    resumed.add_argument("--checkpoint", metavar="FILE",
+                         help="where a resume stopped again saves its checkpoint (default: FILE)")
+    resumed.add_argument("--timeout", type=_SECONDS, metavar="S", help="stop after S seconds")
+    resumed.add_argument("--stop-at-step", type=_STEP, metavar="K", help="stop after step K of the run")
+    resumed.add_argument("--partial", choices=PARTIALS, help="what a stopped image shows")
+    resumed.add_argument("--mode", choices=MODES, default="finish", help="finish (default) or abort")
+    resumed.add_argument("--json", action="store_true", help="print the Outcome as one JSON object")
+    resumed.add_argument("--progress", choices=("auto", "bar", "lines", "none"), default="auto",
+                         help="progress on stderr (auto: a bar on a terminal)")
+    resumed.set_defaults(func=cmd_resume)
 
     from .server.serve import add_parser as add_serve_parser  # owned by the server; cheap to import
 

@@ -152,6 +152,20 @@ def test_stop_mid_run_answers_once_it_took_effect(client):
     assert done_of(client, job["id"])["state"] == "stopped"
 
 
+def test_pause_holds_a_job_where_the_engine_can_and_is_a_400_elsewhere(client, server):
+    job = submit(client, text_job(40))
+    wait_for_step(client, job["id"], 2)
+    answer = client.post(f"/v1/jobs/{job['id']}/pause")
+    if server.name == "ray":  # the Ray engine cannot hold jobs (not Pausable): said, not a 5xx
+        assert answer.status_code == 400 and answer.json()["error"]["code"] == "not_supported"
+        return
+    paused = answer.json()
+    assert paused["state"] == "paused" and paused["checkpoint_step"] == paused["step"] >= 2
+    assert client.post(f"/v1/jobs/{job['id']}/resume").json()["state"] in ("queued", "running", "completed")
+    done = done_of(client, job["id"])
+    assert (done["state"], done["step"], done["saved_steps"]) == ("completed", 40, paused["step"])
+
+
 def test_stop_after_the_end_reports_the_end(client):
     job = submit(client, text_job(3))
     done = done_of(client, job["id"])

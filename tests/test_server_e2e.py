@@ -117,3 +117,37 @@ def test_skip_and_stop_after_this_one_in_the_browser(page, url):
     assert page.is_disabled("#skip") and page.is_disabled("#stop-after") and page.is_enabled("#generate")
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "server-e2e-items.png"), full_page=True)
+
+
+def test_pause_then_resume_in_the_browser(page, url):
+    """Pause keeps the job's checkpoint on the server; Resume finishes it with the image of a run never
+    paused (the page's job and a reference job through the API, same parameters and seed)."""
+    page.check("input[name=kind][value=image]")
+    page.fill("#prompt", "Once upon a time")
+    page.fill("#steps", "40")
+    page.click("#generate")
+    page.wait_for_function("Number(document.getElementById('progress').value) >= 2")
+    page.click("#pause")
+    page.locator("#status[data-state=paused]").wait_for()
+    job = page.get_attribute("#status", "data-job")
+    server = _server_view(url, job)
+    assert server["state"] == "paused" and server["checkpoint_step"] >= 2
+    assert page.is_enabled("#resume") and page.is_disabled("#pause")
+    assert "Paused at step" in page.inner_text("#status")
+    page.click("#resume")
+    page.locator("#status[data-state=completed]").wait_for()
+    assert page.get_attribute("#status", "data-saved") == str(server["checkpoint_step"])
+    assert "resumed, not recomputed" in page.inner_text("#status")
+    page.wait_for_function("document.getElementById('preview').src.startsWith('data:image/png')")
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"kind": "image", "prompt": "Once upon a time", "parameters": {"steps": 40}}
+    reference = httpx.post(f"{url}/v1/jobs", json=body, headers=headers).json()["id"]
+    with httpx.stream("GET", f"{url}/v1/jobs/{reference}/events", headers=headers, timeout=120) as events:
+        for _ in events.iter_lines():
+            pass
+    expected = httpx.get(f"{url}/v1/jobs/{reference}/result", headers=headers).json()["result"]["image"]
+    got = httpx.get(f"{url}/v1/jobs/{job}/result", headers=headers).json()["result"]["image"]
+    assert got == expected
+    assert page.get_attribute("#preview", "src") == "data:image/png;base64," + got
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "server-e2e-pause-resume.png"), full_page=True)

@@ -47,7 +47,10 @@ from ..previews import previewer
 from ..state import StepState
 from ..types import PARTIALS, Mode, Partial, choice
 
-__all__ = ["ADAPTER", "DiffusersAdapter", "attach", "step_callback", "guard", "honours_interrupt", "Handle"]
+__all__ = [
+    "ADAPTER", "DiffusersAdapter", "attach", "step_callback", "guard", "honours_interrupt", "Handle",
+    "denoisers",
+]
 
 # Component names of the denoising models (unet, transformer, transformer_2, prior, prior_prior,
 # decoder, ...): models other than these are not expected to run after a finish-mode stop but the decode.
@@ -73,6 +76,17 @@ def honours_interrupt(pipe: object) -> bool:
         if "__call__" in vars(cls) and not vars(cls).get("_stopcock_guarded", False):
             return call_honours_interrupt(cls)
     return False
+
+
+def denoisers(pipe: Any) -> dict[str, torch.nn.Module]:
+    """The denoising models by component name (unet, transformer, prior, decoder, ...)."""
+    return {
+        name: m
+        for name, m in dict(pipe.components).items()
+        if isinstance(m, torch.nn.Module)
+        and DENOISER_WORDS & set(name.split("_"))
+        and not {"text", "vae"} & set(name.split("_"))
+    }
 
 
 # -- the x0 estimate --------------------------------------------------------------------------------
@@ -199,12 +213,7 @@ class _Binding:
         return {n: c for n, c in self._components().items() if isinstance(c, torch.nn.Module)}
 
     def denoisers(self) -> list[torch.nn.Module]:
-        """The denoising models, found by component name (unet, transformer, prior, decoder, ...)."""
-        return [
-            m
-            for name, m in self._models().items()
-            if DENOISER_WORDS & set(name.split("_")) and not {"text", "vae"} & set(name.split("_"))
-        ]
+        return list(denoisers(self.pipe).values())
 
     def schedulers(self) -> list[Any]:
         return list({id(c): c for c in self._components().values() if isinstance(c, SchedulerMixin)}.values())

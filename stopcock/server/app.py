@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
 from .deps import MAX_BODY_BYTES, ApiError, Keys, error_response
-from .engine import Engine, InvalidJob, JobNotFound, KindNotServed, QueueFull
+from .engine import Engine, InvalidJob, JobNotFound, JobStateConflict, KindNotServed, QueueFull
 from .jobs_api import jobs
 from .openai_api import openai
 
@@ -103,6 +103,7 @@ def _install_errors(app: FastAPI) -> None:
         QueueFull: (429, "queue_full"),
         KindNotServed: (400, "model_not_served"),
         InvalidJob: (400, "invalid_job"),
+        JobStateConflict: (409, "job_state_conflict"),
     }
     for cls, (status, code) in statuses.items():
 

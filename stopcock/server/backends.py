@@ -4,7 +4,10 @@ A backend loads a model once, checks a job against it before the job is queued (
 and builds a lane for each worker (``lane()``): its own pipeline object sharing the weights, so
 concurrent runs never share a pipeline's per-call state (a diffusers scheduler, ``_interrupt``).
 A lane runs one job with :func:`stopcock.run`: the job's stop signal plus its conditions as
-``stop=``, and ``on_step`` reporting progress, text and previews to the engine.
+``stop=``, and ``on_step`` reporting progress, text and previews to the engine. Every run is
+checkpointed, so that the engine can pause or preempt it; a job that has a checkpoint is resumed
+from it (:func:`stopcock.resume`), with the result of the run never held. A job of several prompts
+is checkpointed at the prompt it was held at, with the results of the prompts before.
 """
 
 from __future__ import annotations
@@ -27,10 +30,12 @@ from ..items import run_each
 from ..loading import load_image_pipeline, load_text_model, resolve_model
 from ..outcome import Outcome
 from ..previews import latent_preview, previewable
+from ..resume import resume
 from ..runner import run
+from ..signal import StopSignal
 from ..state import StepState
 from ..tiny.demo import DESCRIPTIONS
-from .contract import Backend, InvalidJob, JobSpec, RunContext
+from .contract import HELD_STATES, Backend, InvalidJob, JobSpec, RunContext
 from .schemas import ImageParameters
 
 __all__ = ["ImageBackend", "TextBackend", "load_backends"]
@@ -103,17 +108,32 @@ class TextBackend:
 
 class _Draw(LogitsProcessor):
     """Draws the next token from the (warped) scores with its own generator, seeded with ``seed``
-    (on the scores' device); only the drawn token is left finite."""
+    (on the scores' device), or put back at a saved ``state`` (:meth:`saved`); only the drawn token
+    is left finite."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, state: Mapping[str, Any] | None = None) -> None:
         self.seed = seed
+        self.state = state
         self.generator: torch.Generator | None = None
 
+    def saved(self) -> dict[str, Any] | None:
+        """The generator's device and state, for a checkpoint's notes (None before the first draw)."""
+        g = self.generator
+        return None if g is None else {"device": str(g.device), "state": g.get_state()}
+
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if self.generator is None:
+        if self.generator is None and self.state is not None:
+            self.generator = torch.Generator(self.state["device"]).set_state(self.state["state"])
+        elif self.generator is None:
             self.generator = torch.Generator(scores.device).manual_seed(self.seed)
         drawn = torch.multinomial(scores.float().softmax(-1), 1, generator=self.generator)
         return scores.new_full(scores.shape, -math.inf).scatter_(1, drawn, 0.0)  # type: ignore[return-value]
+
+
+def _sampler(processors: Any) -> _Draw | None:
+    """The job's own sampler among a call's logits processors, if it samples."""
+    found = [p for p in processors if isinstance(p, _Draw)] if isinstance(processors, list) else []
+    return found[0] if found else None
 
 
 class TextLane:
@@ -122,8 +142,9 @@ class TextLane:
         self.pipe = pipe
 
     @staticmethod
-    def decoding(params: Mapping[str, Any]) -> dict[str, Any]:
-        """``generate`` arguments: greedy at temperature 0, else sampling with the job's own generator.
+    def decoding(params: Mapping[str, Any], draw: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """``generate`` arguments: greedy at temperature 0, else sampling with the job's own generator
+        (put back at the ``draw`` state a checkpoint's notes keep, when resuming from a file).
 
         ``generate``'s own sampling draws from torch's global generator, which every worker shares,
         so a seed would be exact only with one worker. Instead the temperature and top-p warpers
@@ -133,34 +154,52 @@ class TextLane:
         if params["temperature"] == 0:
             return {"do_sample": False}
         seed = params.get("seed")
-        draw = _Draw(secrets.randbits(63) if seed is None else seed)
+        drawer = _Draw(secrets.randbits(63) if seed is None else seed, draw)
         warpers = [TemperatureLogitsWarper(params["temperature"]), TopPLogitsWarper(params["top_p"])]
-        return {"do_sample": False, "logits_processor": LogitsProcessorList([*warpers, draw])}
+        return {"do_sample": False, "logits_processor": LogitsProcessorList([*warpers, drawer])}
 
     def execute(self, spec: JobSpec, ctx: RunContext) -> Outcome:
+        """Run each prompt, or resume one: the text published before is in the checkpoint's notes, and
+        the resumed run's text (decoded again from the first token) is published from where it ended."""
         params = spec.params
 
-        def one(prompt: str) -> tuple[Outcome, dict[str, Any]]:
+        def one(prompt: str, checkpoint: Any) -> tuple[Outcome, dict[str, Any]]:
             prompt_len = len(self.backend.tokenizer(prompt)["input_ids"])
             rows = RowDecoder(self.backend.tokenizer)
-            pieces: list[str] = []
+            before = "" if checkpoint is None else str(checkpoint.notes.get("text", ""))
+            pieces, skip = [before], len(before)
 
             def publish(chunks: list[Any], step: int) -> None:
+                nonlocal skip
                 for chunk in chunks:
-                    pieces.append(chunk.text)
-                    ctx.text(chunk.text, step)
+                    text = chunk.text[skip:]
+                    skip = max(0, skip - len(chunk.text))
+                    if text:
+                        pieces.append(text)
+                        ctx.text(text, step)
 
-            outcome = run(
-                self.pipe,
-                prompt,
-                stop=ctx.stop(from_options(spec.stop)),
-                on_step=ctx.on_step(lambda state: publish(rows.chunks(state), state.step)),
-                max_new_tokens=params["max_tokens"],
-                return_full_text=False,
-                **self.decoding(params),
-            )
-            publish(rows.flush(), outcome.steps)
+            stop = ctx.stop(from_options(spec.stop))
+            on_step = ctx.on_step(lambda state: publish(rows.chunks(state), state.step))
+            if checkpoint is not None:
+                # The decoding settings are the checkpoint's, its sampler too (in memory); from a
+                # file, the sampler is made again at the state the notes keep.
+                given = {k: v for k, v in self.decoding(params, checkpoint.notes.get("draw")).items()
+                         if k in checkpoint.live}
+                sampler = _sampler(given.get("logits_processor",
+                                             checkpoint.state["call"]["kwargs"].get("logits_processor")))
+                outcome = resume(self.pipe, checkpoint, stop=stop, on_step=on_step, record=True, **given)
+            else:
+                decoding = self.decoding(params)
+                sampler = _sampler(decoding.get("logits_processor"))
+                outcome = run(self.pipe, prompt, stop=stop, on_step=on_step, checkpoint=True,
+                              max_new_tokens=params["max_tokens"], return_full_text=False, **decoding)
+            if outcome.reason not in HELD_STATES:  # a held run's last character may not be complete yet
+                publish(rows.flush(), outcome.steps)
             text = "".join(pieces)
+            if outcome.checkpoint is not None:
+                outcome.checkpoint.notes["text"] = text
+                if sampler is not None and sampler.saved() is not None:
+                    outcome.checkpoint.notes["draw"] = sampler.saved()  # for a resume from a file
             return outcome, {"text": text, "prompt_tokens": prompt_len, "completion_tokens": outcome.steps}
 
         return each_item(spec, ctx, self.backend.prompts(spec), one)
@@ -245,17 +284,15 @@ class ImageLane:
             if preview and previewable(state.latents):
                 ctx.preview(latent_preview(state.latents, xl=xl), state.step)
 
-        def one(prompt: str) -> tuple[Outcome, dict[str, Any]]:
-            generator.manual_seed(seed)  # each prompt from the same seed
-            outcome = run(
-                self.pipe,
-                prompt=prompt,
-                stop=ctx.stop(from_options(spec.stop)),
-                on_step=ctx.on_step(report),
-                partial=params["partial"],
-                generator=generator,
-                **self.backend.call_kwargs(params),
-            )
+        def one(prompt: str, checkpoint: Any) -> tuple[Outcome, dict[str, Any]]:
+            options = {"stop": ctx.stop(from_options(spec.stop)), "on_step": ctx.on_step(report),
+                       "partial": params["partial"]}
+            if checkpoint is not None:  # replayed: the call's arguments and seed are the checkpoint's
+                outcome = resume(self.pipe, checkpoint, record=True, **options)
+            else:
+                generator.manual_seed(seed)  # each prompt from the same seed
+                outcome = run(self.pipe, prompt=prompt, generator=generator, checkpoint=True, **options,
+                              **self.backend.call_kwargs(params))
             images = getattr(outcome.output, "images", None)
             return outcome, {"image": None if not images else png_base64(images[0]), "detail": outcome.detail}
 
@@ -265,29 +302,44 @@ class ImageLane:
 
 def each_item(
     spec: JobSpec, ctx: RunContext, prompts: tuple[str, ...],
-    one: Callable[[str], tuple[Outcome, dict[str, Any]]],
+    one: Callable[[str, Any], tuple[Outcome, dict[str, Any]]],
 ) -> Outcome:
-    """Run ``one(prompt)`` and set the job's result: for a job of one prompt, that run's result; for
-    several (``spec.prompts``), one run per prompt while the job's signal allows
-    (:func:`stopcock.items.run_each`: skip, stop after the current item), each item announced with
-    ``ctx.item`` and its result in ``items``."""
+    """Run ``one(prompt, checkpoint)`` and set the job's result: for a job of one prompt, that run's
+    result; for several (``spec.prompts``), one run per prompt while the job's signals allow
+    (:func:`stopcock.items.run_each`: skip, stop after the current item; a pause or preemption ends
+    the sequence at the current prompt), each item announced with ``ctx.item`` and its result in
+    ``items``. A held job's checkpoint is its current prompt's, with the index of that prompt and the
+    results before it in its notes; resuming starts there."""
+    checkpoint = ctx.checkpoint
     if spec.prompts is None:
-        outcome, result = one(prompts[0])
+        outcome, result = one(prompts[0], checkpoint)
         ctx.set_result(**result)
         return outcome
-    items: list[dict[str, Any]] = []
-    order = iter(range(len(prompts)))
+    notes = {} if checkpoint is None else checkpoint.notes
+    first = int(notes.get("item", 0))
+    items: list[dict[str, Any]] = list(notes.get("items", []))
+    order = iter(range(first, len(prompts)))
+    held: list[Outcome] = []
 
     def run_one(prompt: str) -> Outcome:
         index = next(order)
         ctx.item(index, prompt)
-        outcome, result = one(prompt)
-        items.append({"prompt": prompt, "reason": outcome.reason, **result})
-        ctx.item(index, prompt, outcome)
+        outcome, result = one(prompt, checkpoint if index == first else None)
+        if outcome.reason in HELD_STATES and outcome.checkpoint is not None:
+            outcome.checkpoint.notes.update(item=index, items=list(items))
+            held.append(outcome)
+        else:
+            items.append({"prompt": prompt, "reason": outcome.reason, **result})
+            ctx.item(index, prompt, outcome)
         return outcome
 
-    _, overall = run_each(ctx.signal, prompts, run_one)
+    signals = [s for s in ctx.stop(()) if isinstance(s, StopSignal)]  # the job's stop, and its pause
+    outcomes, overall = run_each(signals, prompts[first:], run_one)
     ctx.set_result(items=items)
+    if held:
+        overall.checkpoint = held[0].checkpoint
+    if outcomes:
+        overall.resumed = outcomes[0].resumed
     return overall
 
 

@@ -1,16 +1,23 @@
 """The in-process engine: a registry of generation jobs, a bounded queue, worker slots and the stop path.
 
-:class:`LocalEngine` implements :class:`~stopcock.server.contract.Engine` in one process:
-``concurrency`` worker threads, each with its own lane of the models, take jobs from a bounded FIFO
-queue. A worker takes the next job only once its current run has returned, so a stopped job frees
-its slot when its pipeline has actually stopped, never before, and two runs never overlap on one
-lane. The contract (specs, views, events, states, errors) is in :mod:`stopcock.server.contract`.
+:class:`LocalEngine` implements :class:`~stopcock.server.contract.Engine` (and
+:class:`~stopcock.server.contract.Pausable`) in one process: ``concurrency`` worker threads, each with
+its own lane of the models, take jobs from a bounded queue, highest ``priority`` first (in submission
+order within a priority). A worker takes the next job only once its current run has returned, so a
+stopped job frees its slot when its pipeline has actually stopped, never before, and two runs never
+overlap on one lane. Every run is checkpointed: a job can be paused (held with its checkpoint, its
+worker free) and resumed, and a job queued while every worker is busy preempts the lowest-priority
+running job below its own priority, which is checkpointed at its next step, waits in the queue and
+resumes where it was, with the result of an uninterrupted run. The contract (specs, views, events,
+states, errors) is in :mod:`stopcock.server.contract`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
+import itertools
 import logging
 import secrets
 import threading
@@ -18,15 +25,20 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+from ..signal import StopSignal
 from . import jobs as _jobs
 from .contract import (
     FINAL_STATES,
+    HELD_STATES,
+    PAUSED,
+    PREEMPTED,
     Backend,
     Engine,
     Event,
     InvalidJob,
     JobNotFound,
     JobSpec,
+    JobStateConflict,
     JobView,
     KindNotServed,
     Lane,
@@ -38,7 +50,7 @@ from .jobs import Job as _Job
 __all__ = ["LocalEngine"]
 # The contract's names, importable from here as before (``stopcock.server.engine.Engine``).
 __all__ += ["FINAL_STATES", "Backend", "Engine", "Event", "InvalidJob", "JobNotFound", "JobSpec", "JobView",
-            "KindNotServed", "Lane", "QueueFull", "RunContext"]
+            "KindNotServed", "Lane", "QueueFull", "RunContext", "JobStateConflict"]
 
 log = logging.getLogger("stopcock.server")
 
@@ -76,7 +88,10 @@ class LocalEngine:
         self.step_delay = step_delay
         self._lock = threading.Condition()
         self._jobs: dict[str, _Job] = {}
-        self._queue: collections.deque[_Job] = collections.deque()
+        self._queue: list[_Job] = []  # kept in _key order
+        self._order: dict[str, int] = {}  # job id -> submission number, the order within a priority
+        self._numbers = itertools.count()
+        self._active: set[_Job] = set()  # the jobs the workers run
         self._finished: collections.deque[str] = collections.deque()
         self._running = 0
         self._closing = False
@@ -105,9 +120,8 @@ class LocalEngine:
             if len(self._queue) >= self.queue_size:
                 raise QueueFull(f"the queue is full ({self.queue_size} jobs waiting); try again later")
             self._jobs[job.id] = job
-            self._queue.append(job)
-            position = len(self._queue)
-            self._lock.notify()
+            self._order[job.id] = next(self._numbers)
+            position = self._enqueue(job)
         job.emit("queued", position=position)
         return job.view()
 
@@ -127,19 +141,20 @@ class LocalEngine:
 
         A queued job is removed from the queue and never runs; a running job stops at its next
         step, or with ``at="item"`` once its current item is done (answered at once, the job still
-        running); a finished job is left as it is. Idempotent.
+        running); a held (paused or preempted) job ends at once, with the result of its last run; a
+        finished job is left as it is. Idempotent.
         """
         job = self._find(job_id, owner)
         with self._lock:
-            dequeued = job.state == "queued" and job in self._queue
-            if dequeued:
+            dequeued = job.state in HELD_STATES or (job.state == "queued" and job in self._queue)
+            if job in self._queue:
                 self._queue.remove(job)
             if at == "item" and not dequeued:
                 job.signal.stop_after_item(reason)
                 return job.view()
             job.request_stop(reason)
         if dequeued:
-            self._finish(job, "stopped", reason, outcome=None, detail="stopped while queued: it never ran")
+            self._finish_held(job, reason)
         elif wait:
             await self._wait_final(job, self.stop_wait)
         return job.view()
@@ -149,6 +164,40 @@ class LocalEngine:
         job = self._find(job_id, owner)
         if job.state == "running":
             job.signal.skip()
+    async def pause(self, job_id: str, owner: str) -> JobView:
+        """Hold the job with its checkpoint, and answer once it is held (or it ended first).
+
+        A running job is checkpointed at its next step and its worker freed; a queued or preempted
+        one leaves the queue. Idempotent for a paused job; a job that has ended (or is being
+        stopped) raises :class:`JobStateConflict`.
+        """
+        job = self._find(job_id, owner)
+        with self._lock:
+            if job.state in FINAL_STATES or job.state == "stopping":
+                raise JobStateConflict(f"job {job_id} is {job.state}: only a queued or running job can pause")
+            job.pause_wanted = True
+            if job in self._queue:
+                self._queue.remove(job)
+                self._hold(job, PAUSED)
+            elif job.state == "running":
+                job.interrupt.stop(PAUSED)
+        await _jobs.wait_until(job, lambda: job.state in FINAL_STATES or job.state == PAUSED, self.stop_wait)
+        return job.view()
+
+    async def resume(self, job_id: str, owner: str) -> JobView:
+        """Queue a paused job again (it resumes from its checkpoint); idempotent for a job that is
+        already queued or running; :class:`JobStateConflict` for one that has ended."""
+        job = self._find(job_id, owner)
+        with self._lock:
+            if job.state in FINAL_STATES:
+                raise JobStateConflict(f"job {job_id} is {job.state}: only a paused job can resume")
+            if job.state != PAUSED:
+                return job.view()
+            job.pause_wanted = False
+            with job.lock:
+                job.state = "queued"
+            position = self._enqueue(job)
+        job.emit("resumed", position=position, checkpoint_step=job.view().checkpoint_step)
         return job.view()
 
     async def wait(self, job_id: str, owner: str, timeout: float | None = None) -> JobView:
@@ -186,14 +235,13 @@ class LocalEngine:
         """Stop every job (reason ``"shutdown"``) and join the workers."""
         with self._lock:
             self._closing = True
-            queued, self._queue = list(self._queue), collections.deque()
+            queued, self._queue = self._queue, []
+            queued += [j for j in self._jobs.values() if j.state == PAUSED]
             running = [j for j in self._jobs.values() if j.state in ("running", "stopping")]
             self._lock.notify_all()
         for job in queued:
             job.request_stop("shutdown")
-            self._finish(
-                job, "stopped", "shutdown", outcome=None, detail="stopped while queued: it never ran"
-            )
+            self._finish_held(job, "shutdown")
         for job in running:
             job.request_stop("shutdown")
         for worker in self._workers:
@@ -209,6 +257,41 @@ class LocalEngine:
     async def _wait_final(self, job: _Job, timeout: float | None) -> None:
         await _jobs.wait_final(job, timeout)
 
+    def _key(self, job: _Job) -> tuple[int, int]:
+        """Queue order: higher priority first, then submission order."""
+        return (-job.spec.priority, self._order[job.id])
+
+    def _enqueue(self, job: _Job) -> int:
+        """Queue ``job`` in priority order (under ``_lock``), preempting for it if it has to; its position."""
+        bisect.insort(self._queue, job, key=self._key)
+        self._lock.notify()
+        self._preempt()
+        return self._queue.index(job) + 1
+
+    def _preempt(self) -> None:
+        """Under ``_lock``: for each queued job that no free (or freeing) worker will take, preempt the
+        lowest-priority running job below its priority, the most recently started first."""
+        freeing = sum(job.interrupt.stopped for job in self._active)
+        free = len(self._workers) - self._running + freeing
+        for waiting in self._queue[max(free, 0) :]:
+            victims = [
+                j for j in self._active if not j.interrupt.stopped and j.spec.priority < waiting.spec.priority
+            ]
+            if not victims:
+                return
+            victim = min(victims, key=lambda j: (j.spec.priority, -(j.started or 0.0)))
+            victim.interrupt.stop(PREEMPTED)
+
+    def _hold(self, job: _Job, state: str) -> None:
+        """Under ``_lock``: the job is held (paused, or preempted and queued again) with its checkpoint."""
+        with job.lock:
+            job.state = state
+        if state == PREEMPTED:
+            job.preemptions += 1
+            bisect.insort(self._queue, job, key=self._key)
+            self._lock.notify()
+        job.emit(state, step=job.step, checkpoint_step=job.view().checkpoint_step)
+
     def _work(self, lanes: Mapping[str, Lane]) -> None:
         while True:
             with self._lock:
@@ -216,28 +299,45 @@ class LocalEngine:
                     self._lock.wait()
                 if self._closing and not self._queue:
                     return
-                job = self._queue.popleft()
+                job = self._queue.pop(0)
                 self._running += 1
+                self._active.add(job)
                 with job.lock:
                     job.state = "stopping" if job.signal.stopped else "running"
-                    job.started = time.time()
-            ended: tuple[str, str, dict[str, Any] | None, str | None] | None = None
+                    job.started = job.started or time.time()
+                    job.interrupt = StopSignal()
+            ended: _jobs.Ended | None = None
             try:
                 ended = self._run(job, lanes[job.spec.kind])
             finally:  # the slot is free once the run has returned; then the job's end is told
+                interrupted = ("failed", "error", None, "the worker was interrupted")
+                state, reason, summary, error = ended or interrupted
                 with self._lock:
                     self._running -= 1
-                state, reason, summary, error = ended or (
-                    "failed",
-                    "error",
-                    None,
-                    "the worker was interrupted",
-                )
-                self._finish(job, state, reason, outcome=summary, error=error)
+                    self._active.discard(job)
+                    held = state in HELD_STATES and not job.signal.stopped and not self._closing
+                    if held:
+                        self._hold(job, PAUSED if job.pause_wanted else state)
+                if not held and state in HELD_STATES:  # stopped (or shut down) while being held
+                    self._finish_held(job, job.signal.reason or "shutdown")
+                elif not held:
+                    self._finish(job, state, reason, outcome=summary, error=error)
 
     def _run(self, job: _Job, lane: Lane) -> _jobs.Ended:
-        """Run the job; returns its final state, reason, Outcome summary and error."""
+        """Run the job (or resume it); returns its final or held state, reason, Outcome summary and error."""
         return _jobs.run_lane(job, lane, self.step_delay)
+
+    def _finish_held(self, job: _Job, reason: str) -> None:
+        """End a job that is not running (queued, paused, preempted) as stopped for ``reason``: with
+        the Outcome and result of its last run, if it had one."""
+        with job.lock:
+            state, summary = job.state, job.outcome
+        if summary is None:
+            self._finish(job, "stopped", reason, outcome=None, detail="stopped while queued: it never ran")
+            return
+        detail = f"stopped while {state}, at step {summary['steps']}"
+        summary = {**summary, "stopped": True, "reason": reason, "detail": detail}
+        self._finish(job, "stopped", reason, outcome=summary)
 
     def _finish(
         self,
@@ -253,4 +353,6 @@ class LocalEngine:
         with self._lock:
             self._finished.append(job.id)
             while len(self._finished) > self.retain:
-                self._jobs.pop(self._finished.popleft(), None)
+                forgotten = self._finished.popleft()
+                self._jobs.pop(forgotten, None)
+                self._order.pop(forgotten, None)

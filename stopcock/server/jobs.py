@@ -26,7 +26,7 @@ from ..files import png_base64
 from ..outcome import Outcome
 from ..signal import StopSignal
 from ..state import StepState
-from .contract import FINAL_STATES, Event, JobSpec, JobView, Lane
+from .contract import FINAL_STATES, HELD_STATES, Event, JobSpec, JobView, Lane
 
 __all__ = [
     "Changes",
@@ -41,6 +41,7 @@ __all__ = [
     "since",
     "summary_of_end",
     "wait_final",
+    "wait_until",
 ]
 
 log = logging.getLogger("stopcock.server")
@@ -106,7 +107,12 @@ class Job:
         self.id = id or new_id()
         self.owner = owner
         self.spec = spec
-        self.signal = StopSignal()
+        self.signal = StopSignal()  # the owner's stop: ends the job
+        self.interrupt = StopSignal()  # the current run's pause or preemption: holds the job
+        self.pause_wanted = False  # the owner asked for a pause (it wins over a preemption)
+        self.checkpoint: Any = None  # what a held job resumes from
+        self.saved_steps = 0  # steps its resumes did not recompute
+        self.preemptions = 0
         self.state = "queued"
         self.step = 0
         self.total: int | None = None
@@ -198,6 +204,10 @@ class Job:
                 finished=self.finished,
                 outcome=self.outcome,
                 error=self.error,
+                priority=self.spec.priority,
+                checkpoint_step=None if self.checkpoint is None else self.checkpoint.steps,
+                saved_steps=self.saved_steps,
+                preemptions=self.preemptions,
             )
 
 
@@ -223,11 +233,13 @@ class JobContext:
     def __init__(self, job: Job, step_delay: float) -> None:
         self._job = job
         self.signal = job.signal
+        self.checkpoint = job.checkpoint
         self.step_delay = step_delay
 
     def stop(self, conditions: Iterable[Condition]) -> list[Condition | StopSignal]:
-        """The run's ``stop=``: the step recorder, the job's signal, then the job's own ``conditions``."""
-        return [Reached(self._job), self.signal, *conditions]
+        """The run's ``stop=``: the step recorder, the job's signal and this run's pause or preemption,
+        then the job's own ``conditions``."""
+        return [Reached(self._job), self.signal, self._job.interrupt, *conditions]
 
     def on_step(self, report: Callable[[StepState], None]) -> Callable[[StepState], None]:
         """The ``on_step`` hook for the run: records the step, calls ``report(state)`` (text,
@@ -267,19 +279,28 @@ class JobContext:
 
 
 def run_lane(job: Job, lane: Lane, step_delay: float = 0.0) -> Ended:
-    """Run the job on ``lane``; returns its final state, reason, Outcome summary and error.
+    """Run the job on ``lane`` (or resume it from its checkpoint); returns its final state, reason,
+    Outcome summary and error. A run stopped to be held (paused, preempted) with a checkpoint returns
+    that state instead, and the job keeps the checkpoint.
 
     The job must be marked started (``state``, ``started``) by the caller."""
-    job.emit("started")
+    job.emit("started", **({} if job.checkpoint is None else {"resumed_from": job.checkpoint.steps}))
     try:
         outcome = lane.execute(job.spec, JobContext(job, step_delay))
     except Exception as exc:  # the job reports it as failed; the worker lives on
         log.exception("job %s failed", job.id)
         return "failed", "error", None, f"{type(exc).__name__}: {exc}"
+    held = outcome.stopped and outcome.reason in HELD_STATES and outcome.checkpoint is not None
     with job.lock:
         job.step = outcome.steps
         job.total = outcome.total_steps
-    return "stopped" if outcome.stopped else "completed", outcome.reason, outcome.summary(), None
+        job.saved_steps += (outcome.resumed or {}).get("saved_steps", 0)
+        job.checkpoint = outcome.checkpoint if held else None
+        job.outcome = outcome.summary()
+        if held:
+            job.stop_step = None  # a later stop is measured against the resumed run's own steps
+    state = outcome.reason if held else ("stopped" if outcome.stopped else "completed")
+    return state, outcome.reason, outcome.summary(), None
 
 
 def summary_of_end(
@@ -315,10 +336,15 @@ def finish(
 
 async def wait_final(job: Job, timeout: float | None) -> None:
     """Return once the job is in a final state (or after ``timeout`` seconds)."""
+    await wait_until(job, lambda: job.state in FINAL_STATES, timeout)
+
+
+async def wait_until(job: Job, done: Callable[[], bool], timeout: float | None) -> None:
+    """Return once ``done()`` holds, checked at each change of the job (or after ``timeout`` seconds)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         version = job.changes.version
-        if job.state in FINAL_STATES:
+        if done():
             return
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:

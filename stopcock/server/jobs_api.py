@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Body, Query, Request
 from fastapi.responses import StreamingResponse
 
+from .contract import Pausable
 from .deps import ApiError, Owner, engine_of, sse
 from .engine import FINAL_STATES
 from .schemas import JobRequest
@@ -59,6 +60,29 @@ async def skip_job(request: Request, who: Owner, job_id: str) -> dict[str, Any]:
     return (await engine_of(request).skip(job_id, who)).to_json()
 
 
+def _pausable(request: Request) -> Pausable:
+    engine = engine_of(request)
+    if not isinstance(engine, Pausable):
+        raise ApiError(400, f"this server's engine ({type(engine).__name__}) cannot pause jobs",
+                       code="not_supported")
+    return engine
+
+
+@jobs.post("/jobs/{job_id}/pause")
+async def pause_job(request: Request, who: Owner, job_id: str) -> dict[str, Any]:
+    """Pause this job: a running one is checkpointed at its next step and its worker freed (the
+    checkpoint stays on the server); answers once it is paused. 409 for a job that has ended; 400
+    on an engine that cannot pause jobs."""
+    return (await _pausable(request).pause(job_id, who)).to_json()
+
+
+@jobs.post("/jobs/{job_id}/resume")
+async def resume_job(request: Request, who: Owner, job_id: str) -> dict[str, Any]:
+    """Resume a paused job: it is queued again and continues from its checkpoint, with the result
+    of a run never paused. 409 for a job that has ended; 400 on an engine that cannot pause jobs."""
+    return (await _pausable(request).resume(job_id, who)).to_json()
+
+
 @jobs.get("/jobs/{job_id}/result")
 async def job_result(request: Request, who: Owner, job_id: str) -> dict[str, Any]:
     """The final state and the generated text or image (PNG, base64); 409 while it runs."""
@@ -76,7 +100,7 @@ async def job_result(request: Request, who: Owner, job_id: str) -> dict[str, Any
 async def job_events(
     request: Request, who: Owner, job_id: str, after: Annotated[int, Query(ge=0)] = 0
 ) -> StreamingResponse:
-    """Server-sent events: queued, started, progress, text, preview, done.
+    """Server-sent events: queued, started, progress, text, preview, paused, preempted, resumed, done.
 
     Resume with ``?after=SEQ`` or the ``Last-Event-ID`` header. Closing this stream does not stop
     the job (use ``/stop``).

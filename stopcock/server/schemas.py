@@ -26,6 +26,7 @@ MAX_STOP_STRING_CHARS = 64
 MAX_TIMEOUT_S = 3600.0
 MAX_MESSAGES = 64
 MAX_SEED = 2**32 - 1
+MAX_PRIORITY = 100
 
 Prompt = Annotated[str, StringConstraints(min_length=1, max_length=MAX_PROMPT_CHARS)]
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
@@ -86,6 +87,11 @@ class _JobBody(Strict):
     prompts: list[Prompt] | None = Field(default=None, min_length=1, max_length=MAX_PROMPTS)
     parameters: Strict
     stop: StopConditions = Field(default_factory=lambda: StopConditions())
+    priority: int = Field(
+        default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY,
+        description="higher runs first; when every worker is busy, it preempts a running job of lower"
+        " priority, which resumes afterwards where it was",
+    )
 
     @model_validator(mode="after")
     def _one_prompt_field(self) -> _JobBody:
@@ -98,6 +104,7 @@ class _JobBody(Strict):
         return JobSpec(
             self.kind, self.prompt, self.parameters.model_dump(), self.stop.model_dump(exclude_none=True),
             prompts=prompts,
+            priority=self.priority,
         )
 
 
