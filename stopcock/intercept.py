@@ -10,9 +10,11 @@ steps' denoiser calls from the checkpoint (replay); recording is a source that a
 observes everything; a stopped loop's models answering from their last output is a third source.
 
 It works by giving the object, for the duration, a same-named subclass whose ``method`` dispatches
-to this thread's handler. For a module's ``__call__`` that puts the handler outside every rewrite
-of ``forward`` (accelerate's offload hooks, diffusers' hook registry, so a cache hook never sees an
-answered call), and nothing is lost when those rewrites are re-armed mid-call. Other threads' calls
+to this thread's handler: a module's ``__call__`` is looked up on its type, so an instance
+attribute (:func:`stopcock.hooks.bound`, which serves ordinary methods such as ``generate``)
+cannot replace it. That puts the handler outside every rewrite of ``forward`` (accelerate's
+offload hooks, diffusers' hook registry, so a cache hook never sees an answered call), and nothing
+is lost when those rewrites are re-armed mid-call. Other threads' calls
 go straight to the original; concurrent runs on shared objects (one model, several pipelines) each
 install their own handler, and the original class comes back when the last one leaves.
 """

@@ -1,7 +1,8 @@
 """Checkpoint and resume text generation: ``generate`` and the text-generation pipeline.
 
-Recording intercepts the model's ``generate`` for the run (:func:`stopcock.intercept.intercepted`),
-so one mechanism serves a model and a pipeline (which calls ``generate`` itself). Each call is made
+Recording binds the model's ``generate`` for the run, on the run's thread
+(:func:`stopcock.hooks.bound`, as the adapter does), so one mechanism serves a model and a pipeline
+(which calls ``generate`` itself). Each call is made
 with ``return_dict_in_generate=True`` (and answered as its caller asked), which gives back the KV
 cache; when the call ends the recorder keeps its prompt and mask, the token ids so far (stopcock's
 own criterion saw every step), the rows already ended (end of text, stop string), the RNG state and
@@ -21,6 +22,7 @@ any token, with the reason.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -52,7 +54,7 @@ from ..checkpoint import (
     vocab_digest,
 )
 from ..control import RunControl
-from ..intercept import intercepted
+from ..hooks import bound
 from ..outcome import Outcome
 from .transformers import TransformersAdapter, _RunCriteria, _Settings
 
@@ -181,6 +183,10 @@ class _Generate:
         self.calls = 0
         self.last: dict[str, Any] | None = None  # the record of the last call
         self.returned = False  # whether the last call returned (not aborted)
+
+    def around(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        """The bound ``generate``: this handler around ``call``, the ``generate`` it was bound over."""
+        return functools.partial(self, call)
 
     def __call__(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         settings = _Settings(kwargs, self.model)
@@ -381,7 +387,7 @@ class ResumableTransformersAdapter(TransformersAdapter):
         """``run(...)`` with ``checkpoint=True``: the Outcome carries a :class:`Checkpoint`."""
         call = freeze_call(args, kwargs)
         handler = _Generate(_model_of(target))
-        with intercepted(_model_of(target), "generate", handler):
+        with bound(_model_of(target), "generate", handler.around):
             outcome = self.run(target, args, kwargs, control)
         outcome.checkpoint = _checkpoint(target, call, handler, outcome, None)
         return outcome
@@ -408,7 +414,7 @@ class ResumableTransformersAdapter(TransformersAdapter):
         saved = state["generate"]
         control.steps = checkpoint.steps
         handler = _Generate(_model_of(target), saved)
-        with intercepted(_model_of(target), "generate", handler):
+        with bound(_model_of(target), "generate", handler.around):
             outcome = self.run(target, args, kwargs, control) if not many or args[0] else None
         if outcome is None:  # a list whose items were all done
             outcome = control.outcome([], completed="completed")

@@ -164,6 +164,8 @@ class LocalEngine:
         job = self._find(job_id, owner)
         if job.state == "running":
             job.signal.skip()
+        return job.view()
+
     async def pause(self, job_id: str, owner: str) -> JobView:
         """Hold the job with its checkpoint, and answer once it is held (or it ended first).
 
