@@ -173,3 +173,18 @@ def test_a_paused_job_resumes_from_its_checkpoint_saved_to_a_file(server_backend
             client.post(f"/v1/jobs/{job['id']}/resume")
             done = finished(client, job["id"])
             assert done["state"] == "completed" and done["result"] == reference["result"], body["kind"]
+
+
+def test_a_job_of_several_prompts_pauses_at_its_prompt_and_resumes_identically(server):
+    body = {"kind": "text", "prompts": ["Once upon a time", "Hello world", "The quick brown fox"],
+            "parameters": {"max_tokens": 30, "temperature": 0.7, "seed": 2}}
+    reference = finished(server, submit(server, body)["id"])
+    job = submit(server, body)
+    until(server, job["id"], lambda e: e["type"] == "item" and e["index"] == 1 and e["state"] == "started")
+    until(server, job["id"], progressed(3))
+    paused = server.post(f"/v1/jobs/{job['id']}/pause").json()
+    assert paused["state"] == "paused" and paused["checkpoint_step"] is not None
+    server.post(f"/v1/jobs/{job['id']}/resume")
+    done = finished(server, job["id"])
+    assert done["state"] == "completed" and done["outcome"]["item_reasons"] == ["completed"] * 3
+    assert done["result"] == reference["result"]

@@ -317,25 +317,34 @@ def each_item(
         return outcome
     notes = {} if checkpoint is None else checkpoint.notes
     first = int(notes.get("item", 0))
+    # the prompts done by earlier runs of the job: their results, how they ended, their steps
     items: list[dict[str, Any]] = list(notes.get("items", []))
+    earlier_reasons, earlier_steps = list(notes.get("item_reasons", [])), int(notes.get("steps", 0))
+    reasons, steps = list(earlier_reasons), earlier_steps
     order = iter(range(first, len(prompts)))
     held: list[Outcome] = []
 
     def run_one(prompt: str) -> Outcome:
+        nonlocal steps
         index = next(order)
         ctx.item(index, prompt)
         outcome, result = one(prompt, checkpoint if index == first else None)
         if outcome.reason in HELD_STATES and outcome.checkpoint is not None:
-            outcome.checkpoint.notes.update(item=index, items=list(items))
+            outcome.checkpoint.notes.update(item=index, items=list(items), item_reasons=list(reasons),
+                                            steps=steps)
             held.append(outcome)
         else:
             items.append({"prompt": prompt, "reason": outcome.reason, **result})
+            reasons.append(outcome.reason if outcome.stopped else "completed")
+            steps += outcome.steps
             ctx.item(index, prompt, outcome)
         return outcome
 
     signals = [s for s in ctx.stop(()) if isinstance(s, StopSignal)]  # the job's stop, and its pause
     outcomes, overall = run_each(signals, prompts[first:], run_one)
     ctx.set_result(items=items)
+    overall.item_reasons = [*earlier_reasons, *(overall.item_reasons or ())]
+    overall.steps += earlier_steps
     if held:
         overall.checkpoint = held[0].checkpoint
     if outcomes:
