@@ -632,24 +632,12 @@ def task_case(task: str) -> TaskCase:
 TASK_CASES = (*GENERATING_TASKS, "text-to-audio (SpeechT5)")
 
 
-def sliding_window_model(*, vocab_size: int = 400, window: int = 4, seed: int = 0):  # type: ignore[no-untyped-def]
+def sliding_window_model(*, window: int = 4, seed: int = 0) -> Any:
     """A tiny random-weight Mistral whose attention sees the last ``window`` tokens: its cache is made
     of sliding-window layers (``DynamicSlidingWindowLayer``). Token ids as :func:`build_tokenizer`'s."""
-    import torch
     from transformers import MistralConfig, MistralForCausalLM
 
-    torch.manual_seed(seed)
-    config = MistralConfig(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        sliding_window=window,
-        max_position_embeddings=256,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=1,
-    )
+    config = _small_decoder(MistralConfig, build_tokenizer(), positions=256)
+    config.sliding_window = window
+    _seeded(seed)
     return MistralForCausalLM(config).eval()
