@@ -190,3 +190,41 @@ def run_main(capsys):
     return call
 
 
+# -- the reliability suite (tests/test_reliability_*.py) -------------------------------------------
+SOAK = os.environ.get("STOPCOCK_SOAK", "") == "1"
+
+
+class Figures:
+    """Trial counts of the reliability suite and what they measured.
+
+    Bounded in CI; ``STOPCOCK_SOAK=1`` (``make soak``) runs the longer versions, and the figures
+    recorded are printed at the end of the session.
+    """
+
+    def __init__(self, soak: bool) -> None:
+        self.soak = soak
+        self.rows: list[tuple[str, int, str, dict[str, int]]] = []
+
+    def trials(self, ci: int, soak: int) -> int:
+        return soak if self.soak else ci
+
+    def record(self, check: str, trials: int, unit: str, **bad: int) -> None:
+        """One check's figures: ``trials`` of ``unit`` and the count of each kind of failure."""
+        self.rows.append((check, trials, unit, bad))
+
+
+_FIGURES = Figures(SOAK)
+
+
+@pytest.fixture(scope="session")
+def figures() -> Figures:
+    return _FIGURES
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not _FIGURES.rows:
+        return
+    terminalreporter.section("reliability figures" + (" (soak)" if SOAK else " (bounded; make soak: longer)"))
+    for check, trials, unit, bad in _FIGURES.rows:
+        counts = ", ".join(f"{n} {what}" for what, n in bad.items())
+        terminalreporter.write_line(f"{check}: {trials} {unit}: {counts}")
