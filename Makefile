@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 # (PIP_EXTRA_INDEX_URL) or override TORCH; pyproject.toml itself only asks for torch>=2.1.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test lint bench coverage browser clean
+.PHONY: setup demo test soak lint bench coverage browser clean
 
 setup: $(VENV)/.stamp-setup
 
@@ -23,12 +23,16 @@ demo: setup
 
 test: setup browser
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
-	$(BIN)/ruff check stopcock tests bench tiny
+	$(BIN)/ruff check stopcock tests bench tiny _stopcock_launch.py
 	$(BIN)/mypy
 
+# The reliability suite's longer versions (tests/test_reliability_*.py); prints the figures measured.
+soak: setup
+	HF_HUB_OFFLINE=1 STOPCOCK_SOAK=1 $(BIN)/python -m pytest -q tests/test_reliability_*.py
+
 lint: setup
-	$(BIN)/ruff check stopcock tests bench tiny
-	$(BIN)/ruff format --check stopcock tests bench tiny || true
+	$(BIN)/ruff check stopcock tests bench tiny _stopcock_launch.py
+	$(BIN)/ruff format --check stopcock tests bench tiny _stopcock_launch.py || true
 	$(BIN)/mypy
 
 bench: setup
