@@ -37,7 +37,10 @@ def main() -> int:
     """Run ``stopcock`` with the arguments of the process; returns its exit code."""
     from stopcock.cli import main as command
 
-    code = command()
+    try:
+        code = command()
+    except SystemExit as exc:  # argparse: --help, --version, bad arguments
+        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
     if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
         sys.stdout.flush()  # what the command wrote is out before a press can end the process
         sys.stderr.flush()

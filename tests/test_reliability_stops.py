@@ -157,3 +157,73 @@ def test_ctrl_c_is_never_lost_in_an_allocation_heavy_loop(figures):
                    lost=lost, hangs=hangs)
     assert (lost, hangs) == (0, 0)
 
+
+
+# -- abandoned streams leave nothing behind (item 1's other half) ------------------------------------
+def _workers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("stopcock-worker-")]
+
+
+def _hooks(*models) -> int:
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for model in models for m in model.modules())
+
+
+def test_a_stream_freed_by_the_collector_while_its_worker_waits_for_room_ends(text_model, tokenizer):
+    """The worker is held by a full buffer (nobody reads) when the collector frees the stream: it
+    notices that its consumer is gone and ends the run (nothing told it; it looks while it waits)."""
+    s = stopcock.stream(text_model, **tokenizer(["Hello"], return_tensors="pt"), tokenizer=tokenizer,
+                        max_new_tokens=200, buffer=1)
+    channel, worker = s._channel, s._thread
+    assert channel.stalled.wait(BOUND)
+    s.cycle = s
+    del s
+    gc.collect()
+    worker.join(BOUND)
+    assert not worker.is_alive() and channel.outcome is not None
+    assert channel.outcome.stopped and channel.outcome.reason == "cancelled"
+
+
+def test_abandoned_streams_leave_no_thread_and_no_hook(text_model, tokenizer, image_pipe, figures):
+    """Streams left every way (break, close, stop, to the collector, to the collector with a full
+    buffer), on both libraries and both modes: no worker thread and no hook outlives them."""
+    import torch
+
+    torch.set_num_threads(1)
+    inputs = tokenizer(["Hello"], return_tensors="pt")
+    ways = ("break", "close", "stop", "garbage", "garbage, full buffer")
+    trials = figures.trials(ci=20, soak=600)
+    rng = random.Random(0)
+    for i in range(trials):
+        how, mode = ways[i % len(ways)], rng.choice(["finish", "abort"])
+        buffer = 1 if how.endswith("full buffer") else 64
+        image = i % 3 == 0
+        if not image:
+            s = stopcock.stream(text_model, **inputs, tokenizer=tokenizer, max_new_tokens=300, mode=mode,
+                                buffer=buffer)
+        else:
+            s = stopcock.stream(image_pipe, "a cat", num_inference_steps=50, mode=mode, buffer=buffer,
+                                generator=torch.Generator().manual_seed(i))
+        if buffer == 1:
+            assert s._channel.stalled.wait(BOUND)
+        else:
+            next(s)
+        if how == "close":
+            s.close()
+        elif how == "stop":
+            s.stop("user")
+            list(s)
+        elif how.startswith("garbage"):
+            s.cycle = s
+        del s  # "break" and the others: the last reference goes
+        if image:  # a pipeline runs one call at a time: its stream must be gone before the next
+            gc.collect()
+            for worker in _workers():
+                worker.join(BOUND)
+    gc.collect()
+    for worker in _workers():
+        worker.join(BOUND)
+    models = [text_model, *(c for c in image_pipe.components.values() if isinstance(c, torch.nn.Module))]
+    threads, hooks = len(_workers()), _hooks(*models)
+    figures.record("streams left early (5 ways, 2 libraries, 2 modes)", trials, "streams",
+                   threads_left=threads, hooks_left=hooks, interrupt_flags_left=int(image_pipe._interrupt))
+    assert (threads, hooks, image_pipe._interrupt) == (0, 0, False)
