@@ -150,9 +150,10 @@ def test_ctrl_c_at_random_moments_from_launch_gives_the_exit_code_and_the_json(f
     good = {"interrupted", "after the run", "before the command"}
     wrong = [(t.command[0], round(t.delay, 2), v)
              for t, v in zip(done, verdicts, strict=True) if v not in good]
+    hangs = verdicts.count("hang")
     figures.record("CLI Ctrl+C at a random moment 0-3 s from launch (then twice more)", trials, "launches",
-                   wrong_exit_code_or_json=len(wrong) - verdicts.count("hang"), hangs=verdicts.count("hang"),
-                   **{k.replace(" ", "_"): verdicts.count(k) for k in sorted(good)})
+                   failures={"wrong_exit_code_or_json": len(wrong) - hangs, "hangs": hangs},
+                   seen={f"pressed {k}": verdicts.count(k) for k in sorted(good)})
     assert wrong == []
     assert verdicts.count("interrupted") >= 1  # the presses did land while the commands ran
 

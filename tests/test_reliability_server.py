@@ -82,7 +82,7 @@ def test_hostile_last_event_ids_are_4xx_with_the_json_error(client, figures):
         else:
             assert response.status_code == 422 and _error_shaped(response), (value[:40], response.text)
     five = sum(n for status, n in statuses.items() if status >= 500)
-    figures.record("hostile Last-Event-ID headers", len(values), "requests", server_errors=five)
+    figures.record("hostile Last-Event-ID headers", len(values), "requests", failures={"server_errors": five})
     assert five == 0
     resumed = client.get(f"/v1/jobs/{job}/events", headers={"Last-Event-ID": "1"})
     assert "id: 1\n" not in resumed.text and "event: done" in resumed.text  # resumed after event 1
@@ -267,5 +267,6 @@ def test_a_seed_gives_the_same_image_whatever_else_runs(server_backends, figures
             differ, images = asyncio.run(races(figures.trials(ci=10, soak=400)))
     finally:
         sys.setswitchinterval(interval)
-    figures.record("same-seed images under --concurrency 2", images, "images", differ_from_alone=differ)
+    figures.record("same-seed images under --concurrency 2", images, "images",
+                   failures={"differ_from_alone": differ})
     assert differ == 0

@@ -67,8 +67,8 @@ def _callback(parent: stopcock.StopSignal) -> Callable[[], bool]:
 def test_signal_handler_storms_never_lose_a_child_or_a_callback(figures):
     trials = figures.trials(ci=20_000, soak=500_000)
     children, callbacks = _storm(_child, trials), _storm(_callback, trials)
-    figures.record("signal-handler storms (setitimer, 0.1 ms)", 2 * trials, "registrations",
-                   children_never_stopped=children, callbacks_not_run_exactly_once=callbacks)
+    figures.record("signal-handler storms (setitimer, 0.1 ms)", 2 * trials, "registrations", failures={
+        "children_never_stopped": children, "callbacks_not_run_exactly_once": callbacks})
     assert (children, callbacks) == (0, 0)
 
 
@@ -154,7 +154,7 @@ def test_ctrl_c_is_never_lost_in_an_allocation_heavy_loop(figures):
             continue
         lost += out != "interrupted\n" or child.returncode != 0
     figures.record("Ctrl+C in an allocation-heavy loop with stopcock imported", trials, "presses",
-                   lost=lost, hangs=hangs)
+                   failures={"lost": lost, "hangs": hangs})
     assert (lost, hangs) == (0, 0)
 
 
@@ -224,6 +224,6 @@ def test_abandoned_streams_leave_no_thread_and_no_hook(text_model, tokenizer, im
         worker.join(BOUND)
     models = [text_model, *(c for c in image_pipe.components.values() if isinstance(c, torch.nn.Module))]
     threads, hooks = len(_workers()), _hooks(*models)
-    figures.record("streams left early (5 ways, 2 libraries, 2 modes)", trials, "streams",
-                   threads_left=threads, hooks_left=hooks, interrupt_flags_left=int(image_pipe._interrupt))
+    figures.record("streams left early (5 ways, 2 libraries, 2 modes)", trials, "streams", failures={
+        "threads_left": threads, "hooks_left": hooks, "interrupt_flags_left": int(image_pipe._interrupt)})
     assert (threads, hooks, image_pipe._interrupt) == (0, 0, False)
