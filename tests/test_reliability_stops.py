@@ -110,7 +110,7 @@ def test_collecting_an_abandoned_stream_runs_no_stopcock_code(text_model, tokeni
     assert alive() is None and called == []
     release.set()
     worker.join(BOUND)
-    assert not worker.is_alive() and steps == [1, 2, 3]  # the step in flight, then the worker stopped
+    assert not worker.is_alive() and steps == [1, 2]  # step 2's check saw the stream gone
 
 
 # -- Ctrl+C in the user's own program (item 1) ------------------------------------------------------
