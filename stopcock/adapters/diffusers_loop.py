@@ -1,0 +1,124 @@
+"""Fast-forward: how a stopped diffusers loop runs to its own end without computing.
+
+After a finish-mode stop a pipeline's loop may go on: it ignores ``interrupt`` or has none (LCM,
+Kandinsky 3, DDPM, modular pipelines, ...). Its remaining iterations are then fast-forwarded: each
+model called in the stop step answers every later call with its output of that step (a reference,
+not a copy) instead of computing, and the scheduler holds the sample (the step wrapper in
+:mod:`stopcock.adapters.diffusers`). What the pipeline does after its loop (decode, post-processing,
+its output class) is its own code and runs once.
+
+A forward hook cannot skip a computation, so a held model's class is swapped, for the run, for a
+subclass of the same name whose ``__call__`` answers on the run's thread only: a model shared with a
+pipeline running in another thread keeps computing there. An answered call runs none of the model's
+hooks (nor accelerate's or diffusers' wrappers of its ``forward``): to them it did not happen. The
+outputs are recorded by torch forward hooks.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from typing import Any
+
+from torch import nn
+
+from ..hooks import output_hooks
+
+__all__ = ["Handler", "LoopModels", "intercepted"]
+
+#: ``handler(call, args, kwargs)``: what an intercepted call returns (``call`` computes, as usual).
+Handler = Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
+
+_handlers: weakref.WeakKeyDictionary[nn.Module, dict[int, Handler]] = weakref.WeakKeyDictionary()
+_subclasses: dict[type, type] = {}  # a model class -> its intercepting subclass
+_lock = threading.Lock()
+
+
+def _intercepting(cls: type[nn.Module]) -> type[nn.Module]:
+    """``cls`` with a ``__call__`` that hands this thread's calls to its handler, if it has one."""
+    if cls not in _subclasses:
+
+        def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            handler = _handlers.get(self, {}).get(threading.get_ident())
+            if handler is None:
+                return cls.__call__(self, *args, **kwargs)
+            return handler(functools.partial(cls.__call__, self), args, kwargs)
+
+        attrs = {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        _subclasses[cls] = type(cls.__name__, (cls,), attrs)
+    return _subclasses[cls]
+
+
+@contextmanager
+def intercepted(module: nn.Module, handler: Handler) -> Iterator[None]:
+    """While active, this thread's calls of ``module`` return ``handler(call, args, kwargs)`` instead
+    of ``call(*args, **kwargs)``; other threads' calls are untouched. The last one out puts the
+    module's class back."""
+    ident = threading.get_ident()
+    with _lock:
+        if type(module) not in _subclasses.values():
+            module.__class__ = _intercepting(type(module))
+        _handlers.setdefault(module, {})[ident] = handler
+    try:
+        yield
+    finally:
+        with _lock:
+            mine = _handlers.get(module, {})
+            mine.pop(ident, None)
+            if not mine:
+                _handlers.pop(module, None)
+                module.__class__ = type(module).__mro__[1]
+
+
+class LoopModels:
+    """A run's model components: what each returned in the current step, and, once held, their answers.
+
+    ``next_step()`` is called at each step boundary; ``hold()`` at the stop makes the models called
+    in that step answer from it; ``release()`` lets them compute again (a next stage runs).
+    """
+
+    def __init__(self, models: list[nn.Module]) -> None:
+        self.models = models
+        self.outputs: dict[nn.Module, Any] = {}  # the current step's: model -> its last output
+        self.forwarded = False  # a model ran since the last step boundary
+        self.answered = 0  # calls answered without computing
+        self._held = ExitStack()
+        self._holding: set[nn.Module] = set()
+
+    def recording(self) -> AbstractContextManager[None]:
+        """Record each model's output, on this thread, for the ``with`` block."""
+        return output_hooks(self.models, self._record)
+
+    def _record(self, module: nn.Module, output: Any) -> None:
+        self.outputs[module] = output
+        self.forwarded = True
+
+    def next_step(self) -> None:
+        """A step ended: outputs recorded from now on are the next step's."""
+        self.outputs = {}
+        self.forwarded = False
+
+    def hold(self, before_answer: Callable[[nn.Module], None]) -> None:
+        """From now on each model called in this step answers from its output in it, after
+        ``before_answer(module)`` (which may raise to end the run instead)."""
+        for module, output in self.outputs.items():
+            if module not in self._holding:
+                self._holding.add(module)
+                self._held.enter_context(intercepted(module, self._answer(module, output, before_answer)))
+
+    def _answer(self, module: nn.Module, output: Any, before_answer: Callable[[nn.Module], None]) -> Handler:
+        def answer(_call: Callable[..., Any], _args: tuple[Any, ...], _kwargs: dict[str, Any]) -> Any:
+            before_answer(module)
+            self.answered += 1
+            self.forwarded = True
+            return output
+
+        return answer
+
+    def release(self) -> None:
+        """The held models compute again."""
+        self._held.close()
+        self._holding.clear()
