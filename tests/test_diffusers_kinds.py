@@ -113,11 +113,12 @@ def test_stop_at_step(kind_pipe, count_forwards, mode, at):
     assert outcome.stopped and outcome.reason == "max_steps"
     # After the step where the stop is seen, no forward of the stopped stage's denoiser. In finish mode
     # a combined pipeline's next stage then runs in full on what the stopped one produced (stage="next").
-    done, later, steps_run = at, False, 0
+    done, later, steps_run, left = at, False, 0, 0
     for name, per, steps in zip(kind.denoisers, per_step, kind.stage_steps, strict=True):
         ran = steps if later and mode == "finish" else 0 if later else min(done, steps)
         assert counts[pipe.components[name]] == per * ran, name
         steps_run += ran
+        left = steps - done if not later and done <= steps else left  # the stopped stage's steps left
         later, done = later or done <= steps, max(0, done - steps)
     assert outcome.steps == steps_run == len(seen)
     torch.testing.assert_close(outcome.latents, seen[-1].latents, rtol=0, atol=0)
@@ -125,8 +126,10 @@ def test_stop_at_step(kind_pipe, count_forwards, mode, at):
     if mode == "finish":
         assert outcome.mode == "finish"
         assert images(outcome.output).shape == reference.shape
-        assert outcome.extra["path"] == ("interrupt" if kind.native else "fast-forward")
-        assert (outcome.detail is None) == kind.native  # a fast-forward says so
+        forwarded = 0 if kind.native else left
+        assert outcome.extra["path"] == ("fast-forward" if forwarded else "interrupt")
+        assert outcome.extra["fast_forwarded"] == forwarded
+        assert (outcome.detail is None) == (not forwarded)  # a fast-forward says so
     else:
         assert outcome.mode == "abort" and outcome.output is None and outcome.detail is None
     assert_clean(pipe)

@@ -45,13 +45,13 @@ from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from ..conditions import StopLike, refuse_row_conditions
 from ..control import Abort, RunControl
 from ..events import StreamEvents
-from ..hooks import find_blocks, pre_hooks
+from ..hooks import find_blocks, input_hooks, pre_hooks
 from ..outcome import Outcome
 from ..pipeline_facts import GENERATE_ONLY, call_honours_interrupt
 from ..previews import previewer
 from ..state import StepState
 from ..types import PARTIALS, Mode, Partial, choice
-from .diffusers_loop import LoopModels
+from .diffusers_loop import LoopModels, intercepted
 
 __all__ = ["ADAPTER", "DiffusersAdapter", "attach", "step_callback", "guard", "honours_interrupt", "Handle"]
 
@@ -135,6 +135,23 @@ def _remaining_steps(scheduler: Any, timestep: Any) -> int | None:
         return None
     hits = (timesteps == t).nonzero()
     return len(timesteps) - int(hits[0]) if len(hits) else None
+
+
+def _timestep_of(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float | None:
+    """The timestep a model is called at (its ``timestep`` argument; the first one of a batch), or None."""
+    cls = type(module)
+    if cls not in _forward_names:
+        _forward_names[cls] = tuple(inspect.signature(cls.forward).parameters)[1:]  # without self
+    for i, name in enumerate(_forward_names[cls]):
+        if name in ("timestep", "timesteps"):
+            value = kwargs.get(name, args[i] if i < len(args) else None)
+            if isinstance(value, torch.Tensor):
+                return float(value.flatten()[0]) if value.numel() else None
+            return float(value) if isinstance(value, (int, float)) else None
+    return None
+
+
+_forward_names: dict[type, tuple[str, ...]] = {}  # a model class -> its forward's parameter names
 
 
 def _cut_short(remaining: int | None, planned: object) -> int | None:
@@ -238,6 +255,9 @@ class _Binding:
         self.stage_end = math.inf  # the iteration at which the current stage's loop ends, when known
         self.streams: list[Any] = []  # schedulers seen stepping beside the counted one
         self.copies: list[weakref.ref[Any]] = []  # copies of the schedulers made during the run
+        self.denoiser: Any = None  # the first model called with a timestep: counted when no scheduler steps
+        self.denoiser_t: float | None = None
+        self.untimed = False  # no scheduler step: steps are counted where the denoiser's timestep moves
         # the stop
         self.stopped_in: Any = None  # the pipeline (or stage) whose loop the stop landed in
         self.stop_family: Any = None
@@ -282,12 +302,14 @@ class _Binding:
         self._stack.callback(self._release)
         try:
             for scheduler in self.schedulers():
-                self._stack.enter_context(_wrapped_step(scheduler, self))
+                if hasattr(scheduler, "step"):  # ScoreSdeVe's has step_pred/step_correct instead
+                    self._stack.enter_context(_wrapped_step(scheduler, self))
             self._stack.callback(self._unwrap_copies)
             for name, stage in self._stages().items():
                 self._stack.enter_context(_replaced(self.pipe, name, _Stage(stage, self)))
             self._stack.enter_context(self.models.recording())
             self._stack.callback(self.models.release)
+            self._stack.enter_context(input_hooks(self.models.models, self._before_forward))
             if self.control.mode == "abort":
                 models = list(self._models().values())
                 blocks = [b for m in models for b in find_blocks(m)]
@@ -309,6 +331,9 @@ class _Binding:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
         try:
+            if self.untimed and exc is None and self.stopped_in is None:
+                self.pos += 1  # the loop's last step ended with the call
+                self.control.step(timestep=self.denoiser_t)
             self._stack.close()
             self._lower_flag()
             if exc is not None:  # the pipeline's own clean-up (its last line) did not run
@@ -344,6 +369,56 @@ class _Binding:
         """A held model is called again: fine in the stopped loop, not in a new call (it lowered the flag)."""
         if self.flagged is not None and vars(self.flagged[0]).get("_interrupt") is False:
             self._abort_new_call()
+
+    # loops with no scheduler step (ScoreSdeVe's predictor-corrector steps): counted by the denoiser
+    def _before_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.stepping is not None or self.untimed:
+            return
+        t = _timestep_of(module, args, kwargs)
+        if t is None:
+            return
+        if self.denoiser is None:
+            self.denoiser, self.denoiser_t = module, t
+        elif module is self.denoiser and t != self.denoiser_t:
+            # A next timestep with no scheduler step since: this loop has none. From now on each call of
+            # the denoiser is checked before it computes (this one already does).
+            self.untimed = True
+            self._stack.enter_context(intercepted(module, self._untimed_call))
+            self._untimed_step(t, args, computing=True)
+
+    def _untimed_call(self, call: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        t = _timestep_of(self.denoiser, args, kwargs)
+        if self.stopped_in is None and t is not None and t != self.denoiser_t:
+            self._untimed_step(t, args)
+            if self.stopped_in is not None:  # held now: this call answers too
+                return type(self.denoiser).__call__(self.denoiser, *args, **kwargs)
+        return call(*args, **kwargs)
+
+    def _untimed_step(self, t: float, args: tuple[Any, ...], computing: bool = False) -> None:
+        """The denoiser moved on to ``t``: the step at the previous timestep is done (``computing``: the
+        call that moved on is under way, too late to answer it)."""
+        previous, self.denoiser_t = self.denoiser_t, t
+        self.pos += 1
+        self.latents = next((a for a in args if isinstance(a, torch.Tensor)), None)  # the sample it gets
+        if not self.control.step(latents=self.latents, timestep=previous) or self.stage_over:
+            self.models.next_step()
+            return
+        self.latents_kind = "raw"
+        if self.control.mode == "abort":
+            raise Abort(self.control)
+        self.notes.append(
+            f"{type(self.owner).__name__} steps no scheduler: its steps were counted by the denoiser's"
+            " timestep; after the stop its loop went on with the models answering from the stop step,"
+            " so what it integrated from them is in the output"
+            + (" (at its first step the stop let that step's next denoiser call compute)" if computing else "")
+        )
+        if self.partial == "denoised":
+            self.notes.append("no denoised estimate without a scheduler step: kept the raw latents")
+        self.stopped_in = self.owner
+        self._raise_flag()
+        self.models.hold(self._before_answer)
+        self.models.next_step()
+        self.answered_at_stop = self.models.answered
 
     # stages of a combined pipeline
     def run_stage(self, stage: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -471,7 +546,7 @@ class _Binding:
             path = "abort"
         elif self.stopped_in is not None:
             path = "fast-forward" if self.forwarding or answered else "interrupt"
-        if path == "fast-forward":
+        if path == "fast-forward" and not self.untimed:
             name = type(self.stopped_in).__name__
             self.notes.insert(
                 0,

@@ -32,7 +32,8 @@ __all__ = ["Handler", "LoopModels", "intercepted"]
 #: ``handler(call, args, kwargs)``: what an intercepted call returns (``call`` computes, as usual).
 Handler = Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
 
-_handlers: weakref.WeakKeyDictionary[nn.Module, dict[int, Handler]] = weakref.WeakKeyDictionary()
+# model -> thread -> its handlers, innermost last
+_handlers: weakref.WeakKeyDictionary[nn.Module, dict[int, list[Handler]]] = weakref.WeakKeyDictionary()
 _subclasses: dict[type, type] = {}  # a model class -> its intercepting subclass
 _lock = threading.Lock()
 
@@ -42,10 +43,10 @@ def _intercepting(cls: type[nn.Module]) -> type[nn.Module]:
     if cls not in _subclasses:
 
         def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            handler = _handlers.get(self, {}).get(threading.get_ident())
-            if handler is None:
+            handlers = _handlers.get(self, {}).get(threading.get_ident())
+            if not handlers:
                 return cls.__call__(self, *args, **kwargs)
-            return handler(functools.partial(cls.__call__, self), args, kwargs)
+            return handlers[-1](functools.partial(cls.__call__, self), args, kwargs)
 
         attrs = {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
         _subclasses[cls] = type(cls.__name__, (cls,), attrs)
@@ -55,22 +56,26 @@ def _intercepting(cls: type[nn.Module]) -> type[nn.Module]:
 @contextmanager
 def intercepted(module: nn.Module, handler: Handler) -> Iterator[None]:
     """While active, this thread's calls of ``module`` return ``handler(call, args, kwargs)`` instead
-    of ``call(*args, **kwargs)``; other threads' calls are untouched. The last one out puts the
-    module's class back."""
+    of ``call(*args, **kwargs)`` (the innermost one, when nested); other threads' calls are untouched.
+    The last one out puts the module's class back."""
     ident = threading.get_ident()
     with _lock:
         if type(module) not in _subclasses.values():
             module.__class__ = _intercepting(type(module))
-        _handlers.setdefault(module, {})[ident] = handler
+        _handlers.setdefault(module, {}).setdefault(ident, []).append(handler)
     try:
         yield
     finally:
         with _lock:
-            mine = _handlers.get(module, {})
-            mine.pop(ident, None)
+            threads = _handlers.get(module, {})
+            mine = threads.get(ident, [])
+            mine.remove(handler)
             if not mine:
+                threads.pop(ident, None)
+            if not threads:
                 _handlers.pop(module, None)
-                module.__class__ = type(module).__mro__[1]
+                if type(module) in _subclasses.values():
+                    module.__class__ = type(module).__mro__[1]
 
 
 class LoopModels:
