@@ -410,7 +410,7 @@ class _Binding:
             f"{type(self.owner).__name__} steps no scheduler: its steps were counted by the denoiser's"
             " timestep; after the stop its loop went on with the models answering from the stop step,"
             " so what it integrated from them is in the output"
-            + (" (at its first step the stop let that step's next denoiser call compute)" if computing else "")
+            + (" (a stop at the first step let one more denoiser call compute)" if computing else "")
         )
         if self.partial == "denoised":
             self.notes.append("no denoised estimate without a scheduler step: kept the raw latents")
