@@ -285,7 +285,7 @@ class _Binding:
     def schedulers(self) -> list[Any]:
         return list({id(c): c for c in self._components().values() if isinstance(c, SchedulerMixin)}.values())
 
-    def _stages(self) -> dict[str, Any]:
+    def stages(self) -> dict[str, Any]:
         """A combined pipeline's stages: its attributes that are pipelines (``prior_pipe``, ...)."""
         return {name: v for name, v in vars(self.pipe).items() if isinstance(v, DiffusionPipeline)}
 
@@ -305,7 +305,7 @@ class _Binding:
                 if hasattr(scheduler, "step"):  # ScoreSdeVe's has step_pred/step_correct instead
                     self._stack.enter_context(_wrapped_step(scheduler, self))
             self._stack.callback(self._unwrap_copies)
-            for name, stage in self._stages().items():
+            for name, stage in self.stages().items():
                 self._stack.enter_context(_replaced(self.pipe, name, _Stage(stage, self)))
             self._stack.enter_context(self.models.recording())
             self._stack.callback(self.models.release)
@@ -423,6 +423,7 @@ class _Binding:
     # stages of a combined pipeline
     def run_stage(self, stage: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         outer, self.owner = self.owner, stage
+        self.stepping, self.streams = None, []  # its loop is a stage of its own, even on a shared scheduler
         try:
             output = stage(*args, **kwargs)
         finally:
@@ -652,7 +653,7 @@ class DiffusersAdapter:
         """Behind ``stopcock.run(pipe, ...)`` for diffusers pipelines (``partial=``, ``stage=``)."""
         _reject_generate_args(target, kwargs)
         binding = _Binding(target, control, options.get("partial"), options.get("stage"))
-        if len(binding.schedulers()) == 1:  # a combined pipeline's stages add up, known as each one starts
+        if len(binding.schedulers()) == 1 and not binding.stages():  # stages add up as each one starts
             control.total = _planned_steps(kwargs)
         output = None
         with binding:
