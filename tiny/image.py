@@ -566,7 +566,8 @@ def stable_cascade_combined_pipeline(*, seed: int = 0) -> Any:
     """A tiny ``StableCascadeCombinedPipeline``: a prior stage, then a decoder stage, stepping one
     shared ``DDPMWuerstchenScheduler`` (as in diffusers' own test); use height=width=128."""
     import torch
-    from diffusers import DDPMWuerstchenScheduler, StableCascadeCombinedPipeline, StableCascadeUNet
+    from diffusers import DDPMWuerstchenScheduler, StableCascadeCombinedPipeline
+    from diffusers.models import StableCascadeUNet
     from diffusers.pipelines.deprecated.wuerstchen import PaellaVQModel
 
     torch.manual_seed(seed)
