@@ -263,6 +263,8 @@ class _Binding:
         self.stop_family: Any = None
         self.flagged: tuple[Any, bool] | None = None  # (pipeline whose _interrupt we raised, had it one)
         self.answered_at_stop = 0
+        self.tail = 0  # model calls of an iteration after its counted step, before its last stream's step
+        self.loop_left: int | None = None  # once the stopped loop is done: the calls still answered
         self.forwarding = False  # the stop step is over and the loop goes on: fast-forwarding
         self.stage_over = False  # the stopped stage has ended: later stages run in full
         self.fast_forwarded = 0  # loop iterations fast-forwarded
@@ -365,10 +367,23 @@ class _Binding:
         self.notes.append("a call made after the stop was aborted before its first step")
         raise Abort(self.control)
 
-    def _before_answer(self, _module: torch.nn.Module) -> None:
-        """A held model is called again: fine in the stopped loop, not in a new call (it lowered the flag)."""
+    def _answers(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether a held model answers a call: in the stopped loop yes; a new call (it lowered the flag)
+        ends the run; once the loop is done (and its last iteration's other streams have answered), the
+        models compute again (another loop of the same call)."""
         if self.flagged is not None and vars(self.flagged[0]).get("_interrupt") is False:
             self._abort_new_call()
+        if self.loop_left is not None:
+            if self.loop_left == 0:
+                self.models.release()
+                return False
+            self.loop_left -= 1
+        if self.untimed and module is self.denoiser:
+            t = _timestep_of(module, args, kwargs)
+            if t is not None and t != self.denoiser_t:
+                self.denoiser_t = t
+                self.fast_forwarded += 1
+        return True
 
     # loops with no scheduler step (ScoreSdeVe's predictor-corrector steps): counted by the denoiser
     def _before_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -415,8 +430,9 @@ class _Binding:
         if self.partial == "denoised":
             self.notes.append("no denoised estimate without a scheduler step: kept the raw latents")
         self.stopped_in = self.owner
+        self.fast_forwarded = 1  # the iteration that just began
         self._raise_flag()
-        self.models.hold(self._before_answer)
+        self.models.hold(self._answers)
         self.models.next_step()
         self.answered_at_stop = self.models.answered
 
@@ -456,13 +472,17 @@ class _Binding:
             self.forwarding = True
         if family is not self.stop_family and family not in self.streams and self.pos >= self.stage_end:
             return None  # a next stage's first step
+        if family is not self.stop_family:
+            self.tail = self.models.calls
         if next_iteration:
             if self.pos >= self.stage_end:  # a loop beyond the stopped one: another call
                 self._abort_new_call()
-            self.models.hold(self._before_answer)  # models first called after the stop answer from now on
+            self.models.hold(self._answers)  # models first called after the stop answer from now on
             self.models.next_step()
             self.pos += 1
             self.fast_forwarded += 1
+            if self.pos >= self.stage_end:  # the stopped loop's last iteration: its other streams follow
+                self.loop_left = self.tail
         result = self.results.get(id(wrapper.scheduler))
         if result is None:
             result = self.results[id(wrapper.scheduler)] = step()
@@ -480,6 +500,7 @@ class _Binding:
                 # A second stream stepped in the same loop (e.g. RFD4Proteina's): not a step of its own.
                 if family not in self.streams:
                     self.streams.append(family)
+                self.tail = self.models.calls
                 return self._as_stopped(scheduler, result, model_output, sample) if stopping else result
             self._new_stage(wrapper, timestep)
         elif stopping:
@@ -515,7 +536,7 @@ class _Binding:
             raise Abort(self.control)
         self.stopped_in, self.stop_family = self.owner, wrapper.family
         self._raise_flag()
-        self.models.hold(self._before_answer)
+        self.models.hold(self._answers)
         self.models.next_step()
         self.answered_at_stop = self.models.answered
         return result

@@ -27,10 +27,12 @@ from torch import nn
 
 from ..hooks import output_hooks
 
-__all__ = ["Handler", "LoopModels", "intercepted"]
+__all__ = ["Answers", "Handler", "LoopModels", "intercepted"]
 
 #: ``handler(call, args, kwargs)``: what an intercepted call returns (``call`` computes, as usual).
 Handler = Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
+#: ``answers(module, args, kwargs)``: whether a held model answers this call (False: it computes).
+Answers = Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], bool]
 
 # model -> thread -> its handlers, innermost last
 _handlers: weakref.WeakKeyDictionary[nn.Module, dict[int, list[Handler]]] = weakref.WeakKeyDictionary()
@@ -89,6 +91,7 @@ class LoopModels:
         self.models = models
         self.outputs: dict[nn.Module, Any] = {}  # the current step's: model -> its last output
         self.forwarded = False  # a model ran since the last step boundary
+        self.calls = 0  # model calls since the last step boundary, answered ones included
         self.answered = 0  # calls answered without computing
         self._held = ExitStack()
         self._holding: set[nn.Module] = set()
@@ -100,25 +103,29 @@ class LoopModels:
     def _record(self, module: nn.Module, output: Any) -> None:
         self.outputs[module] = output
         self.forwarded = True
+        self.calls += 1
 
     def next_step(self) -> None:
         """A step ended: outputs recorded from now on are the next step's."""
         self.outputs = {}
         self.forwarded = False
+        self.calls = 0
 
-    def hold(self, before_answer: Callable[[nn.Module], None]) -> None:
-        """From now on each model called in this step answers from its output in it, after
-        ``before_answer(module)`` (which may raise to end the run instead)."""
+    def hold(self, answers: Answers) -> None:
+        """From now on each model called in this step answers from its output in it, when
+        ``answers(module, args, kwargs)`` says so (it may also raise, to end the run)."""
         for module, output in self.outputs.items():
             if module not in self._holding:
                 self._holding.add(module)
-                self._held.enter_context(intercepted(module, self._answer(module, output, before_answer)))
+                self._held.enter_context(intercepted(module, self._answer(module, output, answers)))
 
-    def _answer(self, module: nn.Module, output: Any, before_answer: Callable[[nn.Module], None]) -> Handler:
-        def answer(_call: Callable[..., Any], _args: tuple[Any, ...], _kwargs: dict[str, Any]) -> Any:
-            before_answer(module)
+    def _answer(self, module: nn.Module, output: Any, answers: Answers) -> Handler:
+        def answer(call: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if not answers(module, args, kwargs):
+                return call(*args, **kwargs)
             self.answered += 1
             self.forwarded = True
+            self.calls += 1
             return output
 
         return answer
