@@ -21,6 +21,7 @@ BENCHMARKS = {
     "latency": "bench.latency",
     "blocks": "bench.blocks",
     "partial": "bench.partial",
+    "fastforward": "bench.fastforward",
 }
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "RESULTS.md"
