@@ -38,9 +38,12 @@ lint: setup
 bench: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m bench
 
-# Stop coverage over tiny models (not part of `make test`): every generating transformers task.
+# Stop coverage (not part of `make test`): every generating transformers task on a tiny model, and,
+# with DIFFUSERS_TESTS (the tests folder of a diffusers checkout), every pipeline diffusers' own test
+# fixtures build offline; diffusers' test modules also import parameterized and requests-mock.
 coverage: setup
-	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.coverage_transformers
+	$(if $(DIFFUSERS_TESTS),$(BIN)/python -m pip install -q parameterized requests-mock)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.coverage $(if $(DIFFUSERS_TESTS),--diffusers-tests $(DIFFUSERS_TESTS)) $(COVERAGE_ARGS)
 
 # Headless Chromium for the web page's end-to-end test (Debian's package; Playwright's own
 # browser download does not work offline).

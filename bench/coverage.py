@@ -279,10 +279,10 @@ def _leaf(output: Any) -> Any:
     """The first array of an output (images, frames, audios; a tuple's first element)."""
     while isinstance(output, (tuple, list)) and output:
         output = output[0]
-    if hasattr(output, "values") and not isinstance(output, np.ndarray):
-        return _leaf(next(iter(output.values()), None))
-    if hasattr(output, "detach"):
+    if hasattr(output, "detach"):  # a tensor
         return output.detach().float().cpu().numpy()
+    if isinstance(output, dict):  # diffusers' output classes are ordered dicts
+        return _leaf(next(iter(output.values()), None))
     return np.asarray(output, dtype=np.float32) if output is not None else None
 
 

@@ -100,7 +100,7 @@ def run(quick: bool = False) -> Section:
     )
     section = Section(
         "5. Fast-forward: the cost of the rest of a stopped loop",
-        __doc__.split("\n\n", 1)[1].strip(),
+        __doc__.split("\n\n", 1)[1].strip().replace("``", "`"),
         tables=[table],
     )
     for case in config.cases:

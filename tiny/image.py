@@ -28,6 +28,14 @@ __all__ = [
     "ddpm_pipeline",
     "modular_sdxl_pipeline",
     "kandinsky_combined_pipeline",
+    "kandinsky3_pipeline",
+    "wan_pipeline",
+    "skyreels_df_pipeline",
+    "text_to_video_pipeline",
+    "audioldm_pipeline",
+    "score_sde_pipeline",
+    "modular_flux_pipeline",
+    "stable_cascade_combined_pipeline",
 ]
 
 # Stable Diffusion's noise schedule, shared by the schedulers of the SD-family builders.
