@@ -318,8 +318,11 @@ def modular_sdxl_pipeline(*, seed: int = 0) -> Any:
     """A tiny modular SDXL pipeline (``StableDiffusionXLAutoBlocks``) with the SDXL components."""
     from diffusers.modular_pipelines import StableDiffusionXLAutoBlocks
 
-    classic = sdxl_pipeline(seed=seed)
-    blocks: Any = StableDiffusionXLAutoBlocks()
+    return _modular(StableDiffusionXLAutoBlocks(), sdxl_pipeline(seed=seed))
+
+
+def _modular(blocks: Any, classic: Any) -> Any:
+    """A modular pipeline of ``blocks`` holding the components of the ``classic`` pipeline."""
     pipe = blocks.init_pipeline()
     pipe.update_components(**{k: v for k, v in classic.components.items() if v is not None})
     return _quiet(pipe)
@@ -563,11 +566,7 @@ def modular_flux_pipeline(*, seed: int = 0) -> Any:
     """A tiny modular Flux pipeline (``FluxAutoBlocks``) with the Flux components; use height=width=32."""
     from diffusers.modular_pipelines import FluxAutoBlocks
 
-    classic = flux_pipeline(seed=seed)
-    blocks: Any = FluxAutoBlocks()
-    pipe = blocks.init_pipeline()
-    pipe.update_components(**{k: v for k, v in classic.components.items() if v is not None})
-    return _quiet(pipe)
+    return _modular(FluxAutoBlocks(), flux_pipeline(seed=seed))
 
 
 def stable_cascade_combined_pipeline(*, seed: int = 0) -> Any:
