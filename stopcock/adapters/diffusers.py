@@ -74,7 +74,8 @@ def honours_interrupt(pipe: object) -> bool:
     Decided by static analysis of the source of the class that defines the ``__call__`` actually run
     (:func:`stopcock.pipeline_facts.call_honours_interrupt`, the same facts the linter uses), so a
     subclass that overrides it is judged by its own ``__call__``; :func:`guard`'s subclass is looked
-    through. A class whose source cannot be read answers False and is stopped through hooks.
+    through. A class whose source cannot be read answers False. ``run``/``attach`` do not ask: they
+    decide at run time.
     """
     for cls in type(pipe).__mro__:
         if "__call__" in vars(cls) and not vars(cls).get("_stopcock_guarded", False):
@@ -165,10 +166,12 @@ def _cut_short(remaining: int | None, planned: object) -> int | None:
     return planned if remaining is None else min(remaining, planned)
 
 
-class _StepWrapper:
-    """Stands in for ``scheduler.step`` during a run, on the pipeline's schedulers and on the copies
-    the pipeline makes of them during the call (SkyReels V2's one per frame, LTX-2's audio stream):
-    ``family`` is the pipeline's scheduler this one is, or is a copy of."""
+class _SchedulerMethod:
+    """Stands in for one method of a scheduler during a run, on the pipeline's schedulers and on the
+    copies the pipeline makes of them during the call (SkyReels V2's one per frame, LTX-2's audio
+    stream): ``family`` is the pipeline's scheduler this one is, or is a copy of."""
+
+    method = ""  # the name of the method stood in for
 
     def __init__(
         self,
@@ -180,17 +183,44 @@ class _StepWrapper:
         self.scheduler = scheduler
         self.binding = binding
         self.family = scheduler if family is None else family
-        self.original = scheduler.step if original is None else original  # bound method (or an outer wrapper)
-        # Pipelines inspect step()'s parameters to decide whether to pass generator= and eta=.
+        # The bound method (or an outer wrapper of it).
+        self.original = getattr(scheduler, self.method) if original is None else original
+        # Pipelines inspect the parameters (step's generator= and eta=, set_timesteps' timesteps=).
         self.__signature__ = inspect.signature(self.original)
         self.owner = threading.get_ident()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        copy = memo.get(id(self.scheduler))
+        if copy is None:  # the wrapper alone is copied, not with its scheduler
+            return self
+        # The copy is being built: its state is not there yet, so its method is taken from its class.
+        wrapper = type(self)(copy, self.binding, self.family, getattr(type(copy), self.method).__get__(copy))
+        self.binding.copies.append(weakref.ref(copy))
+        return wrapper
+
+
+class _LoopStart(_SchedulerMethod):
+    """``scheduler.set_timesteps``: a loop is about to start."""
+
+    method = "set_timesteps"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() == self.owner:
+            self.binding.loop_starts(self.family)
+        return self.original(*args, **kwargs)
+
+
+class _StepWrapper(_SchedulerMethod):
+    """``scheduler.step``: a step ends (or, fast-forwarding, is held)."""
+
+    method = "step"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if threading.get_ident() != self.owner:
             return self.original(*args, **kwargs)
         # By name: not every step() takes (model_output, timestep, sample) first (CogVideoX's DPM).
         named = self.__signature__.bind(*args, **kwargs).arguments
-        held = self.binding.held(self, named.get("sample"), lambda: self.original(*args, **kwargs))
+        held = self.binding.held(self, named.get("sample"), args, kwargs)
         if held is not None:
             return held
         result = self.original(*args, **kwargs)
@@ -198,14 +228,6 @@ class _StepWrapper:
             self, named.get("model_output"), named.get("timestep"), named.get("sample"), result
         )
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        copy = memo.get(id(self.scheduler))
-        if copy is None:  # the wrapper alone is copied, not with its scheduler
-            return self
-        # The copy is being built: its state is not there yet, so its step is taken from its class.
-        wrapper = _StepWrapper(copy, self.binding, self.family, type(copy).step.__get__(copy))
-        self.binding.copies.append(weakref.ref(copy))
-        return wrapper
 
 
 class _Stage:
@@ -238,7 +260,13 @@ class _Binding:
     """
 
     def __init__(
-        self, pipe: Any, control: RunControl, partial: Partial | None = None, stage: Stage | None = None
+        self,
+        pipe: Any,
+        control: RunControl,
+        partial: Partial | None = None,
+        stage: Stage | None = None,
+        *,
+        one_call: bool = True,
     ) -> None:
         choice("partial", partial, PARTIALS, optional=True)
         choice("stage", stage, STAGES, optional=True)
@@ -247,6 +275,7 @@ class _Binding:
         self.control = control
         self.partial = partial or "raw"
         self.stage: Stage = stage or "next"
+        self.one_call = one_call  # run(): the pipeline is called once; attach(): maybe several times
         self.models = LoopModels(list(self._models().values()))
         self.owner: Any = pipe  # the pipeline whose loop runs now: the pipe, or a combined pipeline's stage
         # progress
@@ -263,8 +292,6 @@ class _Binding:
         self.stop_family: Any = None
         self.flagged: tuple[Any, bool] | None = None  # (pipeline whose _interrupt we raised, had it one)
         self.answered_at_stop = 0
-        self.tail = 0  # model calls of an iteration after its counted step, before its last stream's step
-        self.loop_left: int | None = None  # once the stopped loop is done: the calls still answered
         self.forwarding = False  # the stop step is over and the loop goes on: fast-forwarding
         self.stage_over = False  # the stopped stage has ended: later stages run in full
         self.fast_forwarded = 0  # loop iterations fast-forwarded
@@ -304,8 +331,10 @@ class _Binding:
         self._stack.callback(self._release)
         try:
             for scheduler in self.schedulers():
-                if hasattr(scheduler, "step"):  # ScoreSdeVe's has step_pred/step_correct instead
-                    self._stack.enter_context(_wrapped_step(scheduler, self))
+                for method in (_StepWrapper, _LoopStart):
+                    if hasattr(scheduler, method.method):  # ScoreSdeVe's has step_pred/step_correct
+                        wrapper = method(scheduler, self)
+                        self._stack.enter_context(_replaced(scheduler, method.method, wrapper))
             self._stack.callback(self._unwrap_copies)
             for name, stage in self.stages().items():
                 self._stack.enter_context(_replaced(self.pipe, name, _Stage(stage, self)))
@@ -328,8 +357,9 @@ class _Binding:
     def _unwrap_copies(self) -> None:
         for ref in self.copies:
             copy = ref()
-            if copy is not None and isinstance(vars(copy).get("step"), _StepWrapper):
-                del copy.step
+            for name in ("step", "set_timesteps"):
+                if copy is not None and isinstance(vars(copy).get(name), _SchedulerMethod):
+                    del vars(copy)[name]
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
         try:
@@ -367,17 +397,31 @@ class _Binding:
         self.notes.append("a call made after the stop was aborted before its first step")
         raise Abort(self.control)
 
-    def _answers(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """Whether a held model answers a call: in the stopped loop yes; a new call (it lowered the flag)
-        ends the run; once the loop is done (and its last iteration's other streams have answered), the
-        models compute again (another loop of the same call)."""
-        if self.flagged is not None and vars(self.flagged[0]).get("_interrupt") is False:
+    def _flag_lowered(self) -> bool:
+        """The pipeline lowered the flag we raised: it was called again (pipelines reset it first)."""
+        return self.flagged is not None and vars(self.flagged[0]).get("_interrupt") is False
+
+    def loop_starts(self, family: Any) -> None:
+        """A scheduler's ``set_timesteps``. Before the stop: the counted loop starting again is a next
+        chunk, whose steps add up. After it: another stage's loop ends the stopped stage (before that
+        loop computes anything); the stopped loop starting again is the next chunk of the same call (in
+        ``run``), or, in ``attach``, another call when the pipeline has no flag to say so."""
+        if self.stopped_in is None:
+            if family is self.stepping:  # the counted loop starts again (the next chunk): its steps add up
+                self.stepping = None
+            return
+        if self.stage_over:
+            return
+        has_flag = self.flagged is not None and self.flagged[1]
+        if self._flag_lowered() or (family is self.stop_family and not self.one_call and not has_flag):
             self._abort_new_call()
-        if self.loop_left is not None:
-            if self.loop_left == 0:
-                self.models.release()
-                return False
-            self.loop_left -= 1
+        if family is not self.stop_family:
+            self._end_stopped_stage(type(self.stopped_in).__name__)
+
+    def _answers(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether a held model answers a call (a new call, which lowered the flag, ends the run)."""
+        if self._flag_lowered():
+            self._abort_new_call()
         if self.untimed and module is self.denoiser:
             t = _timestep_of(module, args, kwargs)
             if t is not None and t != self.denoiser_t:
@@ -460,7 +504,7 @@ class _Binding:
             raise Abort(self.control)
 
     # events from the wrapped scheduler.step
-    def held(self, wrapper: _StepWrapper, sample: Any, step: Callable[[], Any]) -> Any:
+    def held(self, wrapper: _StepWrapper, sample: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The result of a fast-forwarded step (the ``sample`` it is given, held), or None: step for real."""
         if self.stopped_in is None or self.stage_over:
             return None
@@ -472,20 +516,14 @@ class _Binding:
             self.forwarding = True
         if family is not self.stop_family and family not in self.streams and self.pos >= self.stage_end:
             return None  # a next stage's first step
-        if family is not self.stop_family:
-            self.tail = self.models.calls
         if next_iteration:
-            if self.pos >= self.stage_end:  # a loop beyond the stopped one: another call
-                self._abort_new_call()
             self.models.hold(self._answers)  # models first called after the stop answer from now on
             self.models.next_step()
             self.pos += 1
             self.fast_forwarded += 1
-            if self.pos >= self.stage_end:  # the stopped loop's last iteration: its other streams follow
-                self.loop_left = self.tail
         result = self.results.get(id(wrapper.scheduler))
-        if result is None:
-            result = self.results[id(wrapper.scheduler)] = step()
+        if result is None:  # not stepped in the stop step: one real step gives the shape of its results
+            result = self.results[id(wrapper.scheduler)] = wrapper.original(*args, **kwargs)
         return _with_sample(result, result[0] if sample is None else sample)
 
     def step_done(
@@ -500,7 +538,6 @@ class _Binding:
                 # A second stream stepped in the same loop (e.g. RFD4Proteina's): not a step of its own.
                 if family not in self.streams:
                     self.streams.append(family)
-                self.tail = self.models.calls
                 return self._as_stopped(scheduler, result, model_output, sample) if stopping else result
             self._new_stage(wrapper, timestep)
         elif stopping:
@@ -521,7 +558,7 @@ class _Binding:
         if self.stopped_in is not None and not self.stage_over:
             self._end_stopped_stage(type(self.stopped_in).__name__)
         remaining = _remaining_steps(wrapper.scheduler, timestep)
-        if self.stepping is None:
+        if self.stepping is None:  # the first loop, a combined pipeline's stage, a next chunk: set just now
             remaining = _cut_short(remaining, vars(self.owner).get("_num_timesteps"))
         self.stepping = wrapper.family
         self.stage_end = math.inf if remaining is None else self.pos + remaining
@@ -593,12 +630,6 @@ class _Binding:
                 "answered": answered,
             },
         )
-
-
-@contextmanager
-def _wrapped_step(scheduler: Any, binding: _Binding) -> Iterator[None]:
-    with _replaced(scheduler, "step", _StepWrapper(scheduler, binding)):
-        yield
 
 
 @contextmanager
@@ -723,7 +754,7 @@ def attach(
     if not _is_pipeline(pipe):
         raise TypeError(f"attach() takes a diffusers pipeline, got {type(pipe).__name__}")
     with RunControl(stop, mode=mode, on_step=on_step) as control:
-        binding = _Binding(pipe, control, partial, stage)
+        binding = _Binding(pipe, control, partial, stage, one_call=False)
         handle = Handle()
         with binding:
             yield handle
