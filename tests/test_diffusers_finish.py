@@ -21,6 +21,7 @@ import torch
 from diffusers import DDPMScheduler, DiffusionPipeline
 
 import stopcock
+from stopcock.adapters.diffusers import honours_interrupt
 from stopcock.adapters.diffusers_loop import intercepted
 from tiny import image as tiny
 
@@ -149,6 +150,8 @@ def test_a_stop_finishes_with_the_output_and_no_loop_forward_after_it(kind_pipe)
     assert outcome.stopped and outcome.reason == "max_steps" and outcome.mode == "finish"
     assert type(outcome.output) is type(full.output) and first(outcome.output).shape == kind.shape
     assert outcome.extra["path"] == kind.path
+    if honours_interrupt(pipe):  # the survey's list, a test oracle: its pipelines skip on the flag
+        assert kind.path == "interrupt"
     assert outcome.extra["fast_forwarded"] == (STEPS - AT if kind.path == "fast-forward" else 0)
     assert (outcome.detail is None) == (kind.path == "interrupt")
     # The loop's models computed the steps up to the stop, none after; every other model (text encoders,
