@@ -748,8 +748,10 @@ def attach(
 ) -> Iterator[Handle]:
     """Stop the calls of ``pipe`` made inside the ``with`` block on ``stop``.
 
-    Installs what the pipeline needs (scheduler step wrapper, forward pre-hooks) and removes it on
-    exit. An abort raised inside the block ends the block quietly; ``handle.outcome`` says what happened.
+    Installs what the pipeline needs (scheduler wrappers, model hooks) and removes it on exit; a finish
+    works as in ``run`` (fast-forward included), and a call made after the stop is aborted before its
+    loop computes. An abort raised inside the block ends the block quietly; ``handle.outcome`` says
+    what happened.
     """
     if not _is_pipeline(pipe):
         raise TypeError(f"attach() takes a diffusers pipeline, got {type(pipe).__name__}")
