@@ -40,9 +40,10 @@ bench: setup
 
 # Stop coverage (not part of `make test`): every generating transformers task on a tiny model, and,
 # with DIFFUSERS_TESTS (the tests folder of a diffusers checkout), every pipeline diffusers' own test
-# fixtures build offline; diffusers' test modules also import parameterized and requests-mock.
+# fixtures build offline; diffusers' test modules also import parameterized and requests-mock (and
+# its Wan-family pipelines clean prompts with ftfy).
 coverage: setup
-	$(if $(DIFFUSERS_TESTS),$(BIN)/python -m pip install -q parameterized requests-mock)
+	$(if $(DIFFUSERS_TESTS),$(BIN)/python -m pip install -q parameterized requests-mock ftfy)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.coverage $(if $(DIFFUSERS_TESTS),--diffusers-tests $(DIFFUSERS_TESTS)) $(COVERAGE_ARGS)
 
 # Headless Chromium for the web page's end-to-end test (Debian's package; Playwright's own

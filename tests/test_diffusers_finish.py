@@ -325,6 +325,38 @@ class TwoLoops(DiffusionPipeline):
         return {"sample": sample}
 
 
+class SharedStages(DiffusionPipeline):
+    """A combined pipeline whose two stages share one denoiser and one scheduler (as VisualCloze's)."""
+
+    def __init__(self, unet, scheduler):
+        super().__init__()
+        self.register_modules(unet=unet, scheduler=scheduler)
+        self.first_pipe = type(tiny.ddpm_pipeline())(unet=unet, scheduler=scheduler)
+        self.second_pipe = type(tiny.ddpm_pipeline())(unet=unet, scheduler=scheduler)
+        for stage in (self.first_pipe, self.second_pipe):
+            stage.set_progress_bar_config(disable=True)
+
+    @torch.no_grad()
+    def __call__(self, num_inference_steps=3, generator=None):
+        kwargs = {"generator": generator, "output_type": "np"}  # the second starts at another timestep
+        first = self.first_pipe(num_inference_steps=num_inference_steps, **kwargs)
+        second = self.second_pipe(num_inference_steps=num_inference_steps - 1, **kwargs)
+        return {"images": np.concatenate([first.images, second.images])}
+
+
+def test_the_stages_of_a_combined_pipeline_on_one_denoiser_and_scheduler(count_forwards):
+    unet = tiny.ddpm_pipeline().unet
+    pipe = SharedStages(unet, DDPMScheduler())
+    calls = count_forwards(unet)
+    states = []
+    full = stopcock.run(pipe, generator=torch.Generator().manual_seed(0), on_step=states.append)
+    assert full.steps == full.total_steps == 5 and calls[unet] == 5
+    assert [s.total for s in states] == [3, 3, 3, 5, 5]  # learnt stage by stage
+    outcome = stopcock.run(pipe, generator=torch.Generator().manual_seed(0), stop=stopcock.max_steps(1))
+    assert outcome.steps == 1 + 2 and calls[unet] == 5 + 1 + 2  # the second stage runs in full
+    assert outcome.output["images"].shape == (2, 16, 16, 3) and outcome.extra["fast_forwarded"] == 2
+
+
 @pytest.mark.parametrize("stage", ["next", "current"])
 def test_a_stop_in_the_first_of_two_loops_in_one_call(count_forwards, stage):
     unet = tiny.ddpm_pipeline().unet

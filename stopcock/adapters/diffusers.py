@@ -287,6 +287,7 @@ class _Binding:
         self.denoiser: Any = None  # the first model called with a timestep: counted when no scheduler steps
         self.denoiser_t: float | None = None
         self.untimed = False  # no scheduler step: steps are counted where the denoiser's timestep moves
+        self.results_seen = False  # a scheduler step returned during the run
         # the stop
         self.stopped_in: Any = None  # the pipeline (or stage) whose loop the stop landed in
         self.stop_family: Any = None
@@ -431,7 +432,7 @@ class _Binding:
 
     # loops with no scheduler step (ScoreSdeVe's predictor-corrector steps): counted by the denoiser
     def _before_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self.stepping is not None or self.untimed:
+        if self.results_seen or self.untimed:  # a scheduler steps: counted there
             return
         t = _timestep_of(module, args, kwargs)
         if t is None:
@@ -531,6 +532,7 @@ class _Binding:
     ) -> Any:
         family = wrapper.family
         scheduler = wrapper.scheduler
+        self.results_seen = True
         stopping = self.stopped_in is not None and not self.stage_over
         if family is not self.stepping:
             in_stage = self.stepping is not None and self.pos < self.stage_end
