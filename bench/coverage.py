@@ -4,7 +4,11 @@ own test fixtures build offline (``make coverage DIFFUSERS_TESTS=PATH``; not par
 One function per library builds its pipelines, runs each one plainly and stopped in finish mode, and
 returns a :class:`Coverage`: one :class:`Row` per pipeline with the checks it passed. ``LIBRARIES``
 lists them; a library whose inputs were not given is skipped. The report prints, per category, how
-many pipelines were built offline, ran here, and passed each check, then why the others did not.
+many pipelines were built offline, ran here, and passed each check, then why the others did not;
+the exit status is 1 if a pipeline that ran missed a check.
+
+transformers (``transformers_coverage``, :mod:`bench.coverage_transformers`): every generating
+pipeline task on a tiny model, stopped from ``on_step``; its categories are the stop paths.
 
 diffusers (``diffusers_coverage``): ``PATH`` is the ``tests`` folder of a diffusers checkout. Each
 pipeline test class there (``pipeline_class`` with ``get_dummy_components()``/``get_dummy_inputs()``;
@@ -55,7 +59,7 @@ class Row:
     category: str
     stage: str = "not built offline"  # then "built", "ran" (its plain run worked; checks are valid),
     # or "no denoising loop" (nothing to stop)
-    checks: dict[str, bool] = field(default_factory=dict)
+    checks: dict[str, bool | None] = field(default_factory=dict)  # None: does not apply
     path: str | None = None  # how the stopped run ended (diffusers: interrupt, fast-forward, abort)
     reason: str = ""
 
@@ -66,6 +70,10 @@ class Coverage:
     checks: tuple[str, ...]
     rows: list[Row] = field(default_factory=list)
 
+    def missed(self, row: Row) -> bool:
+        """Whether a pipeline that ran failed a check (one that does not apply is not failed)."""
+        return any(row.checks.get(c, False) is False for c in self.checks)
+
     def report(self) -> str:
         """Markdown: counts per category, then each pipeline that missed something, with the reason."""
         head = ["category", "pipelines", "built offline", "ran here", *self.checks]
@@ -74,17 +82,20 @@ class Coverage:
         for category in [*categories, "all"]:
             rows = [r for r in self.rows if category in ("all", r.category)]
             ran = [r for r in rows if r.stage == "ran"]
-            cells = [len(rows), sum(r.stage != "not built offline" for r in rows), len(ran)]
-            cells += [sum(r.checks.get(c, False) for r in ran) for c in self.checks]
+            cells: list[object] = [len(rows), sum(r.stage != "not built offline" for r in rows), len(ran)]
+            for c in self.checks:
+                moot = sum(r.checks.get(c, False) is None for r in ran)
+                passed = sum(r.checks.get(c, False) is True for r in ran)
+                cells.append(f"{passed} ({moot} n/a)" if moot else passed)
             label = "**all**" if category == "all" else category
             lines.append(f"| {label} | " + " | ".join(map(str, cells)) + " |")
         paths = Counter(r.path for r in self.rows if r.stage == "ran" and r.path)
         lines += ["", "Stopped runs by path: " + ", ".join(f"{p} {n}" for p, n in sorted(paths.items()))]
-        missed = [r for r in self.rows if r.stage != "ran" or not all(r.checks.get(c) for c in self.checks)]
+        missed = [r for r in self.rows if r.stage != "ran" or self.missed(r)]
         if missed:
             lines += ["", "| pipeline | category | got to | missed | reason |", "|---|---|---|---|---|"]
             for r in sorted(missed, key=lambda r: (r.stage, r.category, r.name)):
-                failed = ", ".join(c for c in self.checks if r.stage == "ran" and not r.checks.get(c))
+                failed = ", ".join(c for c in self.checks if r.stage == "ran" and r.checks.get(c) is False)
                 reason = r.reason.replace("|", "/").replace("\n", " ")[:160]
                 lines.append(f"| {r.name} | {r.category} | {r.stage} | {failed} | {reason} |")
         return "\n".join(lines)
@@ -115,7 +126,7 @@ def diffusers_coverage(args: argparse.Namespace) -> Coverage | None:
             start = time.perf_counter()
             row = _check_diffusers(tester, name)
             coverage.rows.append(row)
-            passed = row.stage == "ran" and all(row.checks.values())
+            passed = row.stage == "ran" and not coverage.missed(row)
             verdict = "ok" if passed else f"{row.stage}: {row.reason}"
             seconds = time.perf_counter() - start
             print(f"coverage: {name}: {verdict} ({seconds:.1f} s)", file=sys.stderr, flush=True)
@@ -222,8 +233,9 @@ def _check_diffusers(tester: Any, name: str) -> Row:
     if not row.checks["same-seed rerun identical"]:
         plain, _ = _run(pipe, _inputs(tester, pipe))
         if not _same(plain.output, full.output):
+            row.checks["same-seed rerun identical"] = None
             row.reason = "its plain runs with one seed differ too (the pipeline is not deterministic here); "
-    missed = [c for c, ok in row.checks.items() if not ok]
+    missed = [c for c, ok in row.checks.items() if ok is False]
     if missed:
         forwards = {m: (calls.count(m), expected[m]) for m in expected if calls.count(m) != expected[m]}
         row.reason += (f"steps {full.steps}/{full.total_steps}, stopped at {stopped.steps}, path {row.path},"
@@ -395,8 +407,27 @@ def _brief(error: BaseException) -> str:
 
 
 # -- the report ------------------------------------------------------------------------------------
+# -- transformers ----------------------------------------------------------------------------------
+def transformers_coverage(args: argparse.Namespace) -> Coverage:
+    """Every generating transformers pipeline task on its tiny models (:mod:`bench.coverage_transformers`)."""
+    from . import coverage_transformers as half
+
+    checks = ("stopped at the step", "zero tokens after the request", "non-empty partial output")
+    coverage = Coverage("transformers", checks)
+    for r in half.coverage():
+        coverage.rows.append(
+            Row(r.case, r.path, stage="ran" if r.built else "not built offline",
+                checks=dict(zip(checks, (r.stopped, r.zero_after, r.non_empty), strict=True)),
+                path=r.path, reason=r.note)
+        )
+    return coverage
+
+
 #: Each library's coverage: a function of the command-line arguments (None when its inputs were not given).
-LIBRARIES: dict[str, Callable[[argparse.Namespace], Coverage | None]] = {"diffusers": diffusers_coverage}
+LIBRARIES: dict[str, Callable[[argparse.Namespace], Coverage | None]] = {
+    "diffusers": diffusers_coverage,
+    "transformers": transformers_coverage,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -404,18 +435,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--diffusers-tests", type=Path, help="the tests folder of a diffusers checkout")
     parser.add_argument("--only", help="only test modules whose dotted name contains this")
     parser.add_argument("--out", type=Path, help="also write the report here (markdown)")
+    parser.add_argument("--library", nargs="+", choices=list(LIBRARIES), help="only these libraries")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a fixture that needs the hub is "not built offline"
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore")
-    reports = [c for c in (run(args) for run in LIBRARIES.values()) if c is not None]
+    names = args.library or list(LIBRARIES)
+    reports = [c for c in (LIBRARIES[name](args) for name in names) if c is not None]
     if not reports:
         parser.error("nothing to measure: give --diffusers-tests PATH")
     text = "\n\n".join(c.report() for c in reports)
     print(text)
     if args.out is not None:
         args.out.write_text(text + "\n")
-    return 0
+    return int(any(r.stage == "ran" and c.missed(r) for c in reports for r in c.rows))
 
 
 if __name__ == "__main__":
