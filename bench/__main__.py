@@ -22,6 +22,7 @@ BENCHMARKS = {
     "blocks": "bench.blocks",
     "partial": "bench.partial",
     "resume": "bench.resume",
+    "fastforward": "bench.fastforward",
 }
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "RESULTS.md"

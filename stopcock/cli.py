@@ -5,7 +5,9 @@ Also ``python -m stopcock`` (and ``python -m stopcock.cli``, which runs this sam
 
 Ctrl+C once stops the run gracefully at the next step (the partial result is kept and saved,
 reason ``"interrupted"``); Ctrl+C again abandons it at once, inside the step in flight (see
-:class:`CtrlC`). Exit codes are listed in :data:`EXIT_CODES`.
+:class:`CtrlC`, installed for the whole command; the ``stopcock`` command catches presses even
+earlier, see ``_stopcock_launch``). Exit codes are listed in :data:`EXIT_CODES`; a press at any
+moment honours them, and the JSON of ``--json``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from .console import INTERRUPTED, CtrlC, Progress, TextEcho
 from .errors import UsageError, UserError, first_line
 from .files import save_png, writable
 from .items import run_each
-from .loading import check_steps, load_image_pipeline, load_text_model, resolve_model
+from .loading import check_steps, import_loaders, load_image_pipeline, load_text_model, resolve_model
 from .outcome import Outcome
 from .previews import latent_preview, previewable
 from .resume import resume
@@ -137,6 +139,20 @@ def not_started(mode: Mode, started: float) -> Outcome:
                                   detail="Ctrl+C while loading the model: nothing was generated")
 
 
+def load_model(ctrl_c: CtrlC, kind: str, spec: str, *, quiet: bool) -> Any:
+    """The ``kind`` model ``spec`` (text: model and tokenizer), with Ctrl+C ending the load at once.
+
+    The libraries are imported first, while a press is only recorded (an import cut short can
+    leave a library unusable in this process). ``KeyboardInterrupt`` if Ctrl+C came before or
+    during the load.
+    """
+    if not ctrl_c.stop.stopped:  # pressed already: the command ends without them
+        import_loaders(kind, quiet=quiet)
+    load = load_text_model if kind == "text" else load_image_pipeline
+    with ctrl_c.interruptible():
+        return load(spec, quiet=quiet)
+
+
 # -- reporting ---------------------------------------------------------------------------------------
 
 
@@ -190,44 +206,44 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def cmd_text(args: argparse.Namespace) -> int:
+def cmd_text(args: argparse.Namespace, ctrl_c: CtrlC) -> int:
     started = time.monotonic()
     prompts = read_prompts(args)
     model_spec = resolve_model(args.model, "text")
-    with CtrlC().installed() as ctrl_c:
-        try:
-            model, tokenizer = load_text_model(model_spec, quiet=args.model is None)
-            encoded = [tokenizer(prompt, return_tensors="pt") for prompt in prompts]
-        except KeyboardInterrupt:
-            fields = {"command": "text", "model": model_spec, "text": ""}
-            return report(not_started(args.mode, started), fields, as_json=args.json, unit="token")
-        for prompt, inputs in zip(prompts, encoded, strict=True):
-            if inputs["input_ids"].shape[1] == 0:
-                raise UsageError(f"--prompt {prompt!r} is no tokens for this model's tokenizer: give some"
-                                 " text")
-        tokenized = iter(encoded)
+    try:
+        model, tokenizer = load_model(ctrl_c, "text", model_spec, quiet=args.model is None)
+    except KeyboardInterrupt:
+        ctrl_c.phase = "ended"
+        fields = {"command": "text", "model": model_spec, "text": ""}
+        return report(not_started(args.mode, started), fields, as_json=args.json, unit="token")
+    encoded = [tokenizer(prompt, return_tensors="pt") for prompt in prompts]
+    for prompt, inputs in zip(prompts, encoded, strict=True):
+        if inputs["input_ids"].shape[1] == 0:
+            raise UsageError(f"--prompt {prompt!r} is no tokens for this model's tokenizer: give some"
+                             " text")
+    tokenized = iter(encoded)
 
-        def one(prompt: str) -> tuple[Outcome, dict[str, Any]]:
-            inputs = next(tokenized)
-            echo = None if args.json else TextEcho(tokenizer, sys.stdout)
-            progress = Progress(_progress_style(args, echoing=echo is not None), unit="token", echo=echo)
-            outcome = run_interruptible(
-                model, (), {**inputs, "max_new_tokens": args.max_new_tokens, "tokenizer": tokenizer},
-                ctrl_c=ctrl_c, conditions=_conditions(args), mode=args.mode, progress=progress,
-            )
-            if echo is not None:
-                echo.finish()
-            ids = outcome.output if outcome.output is not None else outcome.extra.get("input_ids")
-            prompt_length = inputs["input_ids"].shape[1]
-            text = "" if ids is None else tokenizer.decode(ids[0, prompt_length:], skip_special_tokens=True)
-            return outcome, {"text": text}
+    def one(prompt: str) -> tuple[Outcome, dict[str, Any]]:
+        inputs = next(tokenized)
+        echo = None if args.json else TextEcho(tokenizer, sys.stdout)
+        progress = Progress(_progress_style(args, echoing=echo is not None), unit="token", echo=echo)
+        outcome = run_interruptible(
+            model, (), {**inputs, "max_new_tokens": args.max_new_tokens, "tokenizer": tokenizer},
+            ctrl_c=ctrl_c, conditions=_conditions(args), mode=args.mode, progress=progress,
+        )
+        if echo is not None:
+            echo.finish()
+        ids = outcome.output if outcome.output is not None else outcome.extra.get("input_ids")
+        prompt_length = inputs["input_ids"].shape[1]
+        text = "" if ids is None else tokenizer.decode(ids[0, prompt_length:], skip_special_tokens=True)
+        return outcome, {"text": text}
 
-        head = {"command": "text", "model": model_spec}
-        if len(prompts) == 1:
-            outcome, fields = one(prompts[0])
-            return report(outcome, {**head, **fields}, as_json=args.json, unit="token")
-        overall, items = each_prompt(prompts, ctrl_c, one)
-        return report(overall, {**head, "items": items}, as_json=args.json, unit="token")
+    head = {"command": "text", "model": model_spec}
+    if len(prompts) == 1:
+        outcome, fields = one(prompts[0])
+        return report(outcome, {**head, **fields}, as_json=args.json, unit="token")
+    overall, items = each_prompt(prompts, ctrl_c, one)
+    return report(overall, {**head, "items": items}, as_json=args.json, unit="token")
 
 
 def image_of(outcome: Outcome) -> tuple[Any, str | None]:
@@ -265,7 +281,7 @@ def save_image(outcome: Outcome, out: Path, run: dict[str, Any], *, quiet: bool,
     return fields
 
 
-def cmd_image(args: argparse.Namespace) -> int:
+def cmd_image(args: argparse.Namespace, ctrl_c: CtrlC) -> int:
     import torch
 
     started = time.monotonic()
@@ -275,37 +291,37 @@ def cmd_image(args: argparse.Namespace) -> int:
     checkpoint = None if args.checkpoint is None else writable(Path(args.checkpoint), "--checkpoint")
     if checkpoint is not None and len(prompts) > 1:
         raise UsageError("--checkpoint saves the checkpoint of one run: give one prompt")
-    with CtrlC().installed() as ctrl_c:
-        try:
-            pipe = load_image_pipeline(model_spec, quiet=args.model is None)
-        except KeyboardInterrupt:
-            return report(not_started(args.mode, started), {"command": "image", "model": model_spec,
-                                                            "file": None, "image": None, "seed": args.seed},
-                          as_json=args.json, unit="step")
-        check_steps(pipe, args.steps)
-        files = iter(outs)
+    try:
+        pipe = load_model(ctrl_c, "image", model_spec, quiet=args.model is None)
+    except KeyboardInterrupt:
+        ctrl_c.phase = "ended"
+        return report(not_started(args.mode, started), {"command": "image", "model": model_spec,
+                                                        "file": None, "image": None, "seed": args.seed},
+                      as_json=args.json, unit="step")
+    check_steps(pipe, args.steps)
+    files = iter(outs)
 
-        def one(prompt: str) -> tuple[Outcome, dict[str, Any]]:
-            out = next(files)
-            kwargs: dict[str, Any] = {
-                "num_inference_steps": args.steps,
-                "generator": torch.Generator("cpu").manual_seed(args.seed),  # the same seed for each prompt
-                "partial": args.partial,
-                "checkpoint": checkpoint is not None,
-            }
-            progress = Progress(_progress_style(args, echoing=False))
-            outcome = run_interruptible(pipe, (prompt,), kwargs, ctrl_c=ctrl_c, conditions=_conditions(args),
-                                        mode=args.mode, progress=progress)
-            run_info = {"prompt": prompt, "model": model_spec, "seed": args.seed}
-            return outcome, save_image(outcome, out, run_info, quiet=args.json, checkpoint=checkpoint,
-                                       notes={"partial": args.partial})
+    def one(prompt: str) -> tuple[Outcome, dict[str, Any]]:
+        out = next(files)
+        kwargs: dict[str, Any] = {
+            "num_inference_steps": args.steps,
+            "generator": torch.Generator("cpu").manual_seed(args.seed),  # the same seed for each prompt
+            "partial": args.partial,
+            "checkpoint": checkpoint is not None,
+        }
+        progress = Progress(_progress_style(args, echoing=False))
+        outcome = run_interruptible(pipe, (prompt,), kwargs, ctrl_c=ctrl_c, conditions=_conditions(args),
+                                    mode=args.mode, progress=progress)
+        run_info = {"prompt": prompt, "model": model_spec, "seed": args.seed}
+        return outcome, save_image(outcome, out, run_info, quiet=args.json, checkpoint=checkpoint,
+                                   notes={"partial": args.partial})
 
-        head = {"command": "image", "model": model_spec}
-        if len(prompts) == 1:
-            outcome, fields = one(prompts[0])
-            return report(outcome, {**head, **fields, "seed": args.seed}, as_json=args.json, unit="step")
-        overall, items = each_prompt(prompts, ctrl_c, one)
-        return report(overall, {**head, "items": items, "seed": args.seed}, as_json=args.json, unit="step")
+    head = {"command": "image", "model": model_spec}
+    if len(prompts) == 1:
+        outcome, fields = one(prompts[0])
+        return report(outcome, {**head, **fields, "seed": args.seed}, as_json=args.json, unit="step")
+    overall, items = each_prompt(prompts, ctrl_c, one)
+    return report(overall, {**head, "items": items, "seed": args.seed}, as_json=args.json, unit="step")
 
 
 def save_checkpoint(outcome: Outcome, path: Path, run: dict[str, Any], *, quiet: bool) -> str | None:
@@ -324,7 +340,7 @@ def save_checkpoint(outcome: Outcome, path: Path, run: dict[str, Any], *, quiet:
     return str(path)
 
 
-def cmd_resume(args: argparse.Namespace) -> int:
+def cmd_resume(args: argparse.Namespace, ctrl_c: CtrlC) -> int:
     """Finish the image of a checkpoint saved by ``stopcock image --checkpoint FILE``, by replay: the
     same image as an uninterrupted run. Stopped again (Ctrl+C once), it saves a new checkpoint."""
     from .checkpoint import Checkpoint, CheckpointError
@@ -345,28 +361,28 @@ def cmd_resume(args: argparse.Namespace) -> int:
     again = writable(Path(args.checkpoint or args.file), "--checkpoint")
     run_info = {"prompt": saved.get("prompt"), "model": model_spec, "seed": saved.get("seed")}
     head = {"command": "resume", "model": model_spec}
-    with CtrlC().installed() as ctrl_c:
-        try:
-            pipe = load_image_pipeline(model_spec, quiet=args.model is None)
-        except KeyboardInterrupt:
-            return report(not_started(args.mode, started), {**head, "file": None, "image": None,
-                                                            "seed": run_info["seed"]},
-                          as_json=args.json, unit="step")
-        progress = Progress(_progress_style(args, echoing=False))
+    try:
+        pipe = load_model(ctrl_c, "image", model_spec, quiet=args.model is None)
+    except KeyboardInterrupt:
+        ctrl_c.phase = "ended"
+        return report(not_started(args.mode, started), {**head, "file": None, "image": None,
+                                                        "seed": run_info["seed"]},
+                      as_json=args.json, unit="step")
+    progress = Progress(_progress_style(args, echoing=False))
 
-        def resumed(target: Any, **options: Any) -> Outcome:
-            return resume(target, checkpoint, record=True, **options)
+    def resumed(target: Any, **options: Any) -> Outcome:
+        return resume(target, checkpoint, record=True, **options)
 
-        partial = args.partial or saved.get("partial")
-        try:
-            outcome = run_interruptible(pipe, (), {"partial": partial}, ctrl_c=ctrl_c,
-                                        conditions=_conditions(args), mode=args.mode, progress=progress,
-                                        call=resumed)
-        except CheckpointError as exc:
-            raise UserError(f"cannot resume {args.file} with {model_spec}: {exc}") from None
-        fields = save_image(outcome, out, run_info, quiet=args.json, checkpoint=again,
-                            notes={"partial": partial})
-        return report(outcome, {**head, **fields, "seed": run_info["seed"]}, as_json=args.json, unit="step")
+    partial = args.partial or saved.get("partial")
+    try:
+        outcome = run_interruptible(pipe, (), {"partial": partial}, ctrl_c=ctrl_c,
+                                    conditions=_conditions(args), mode=args.mode, progress=progress,
+                                    call=resumed)
+    except CheckpointError as exc:
+        raise UserError(f"cannot resume {args.file} with {model_spec}: {exc}") from None
+    fields = save_image(outcome, out, run_info, quiet=args.json, checkpoint=again,
+                        notes={"partial": partial})
+    return report(outcome, {**head, **fields, "seed": run_info["seed"]}, as_json=args.json, unit="step")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -486,25 +502,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help(sys.stderr)
-        return EXIT_USAGE
-    try:
-        return int(args.func(args))
-    except UserError as exc:
-        print(f"stopcock: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print("stopcock: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    """Run the command line; Ctrl+C is handled from here to the return (see :class:`CtrlC`)."""
+    ctrl_c = CtrlC()
+    with ctrl_c.installed():
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help(sys.stderr)
+            return EXIT_USAGE
+        try:
+            if args.func in (cmd_text, cmd_image, cmd_resume):  # they handle Ctrl+C by phase (see CtrlC)
+                return int(args.func(args, ctrl_c))
+            with ctrl_c.interruptible():  # demo, serve, check: Ctrl+C ends them at once
+                return int(args.func(args))
+        except UserError as exc:
+            print(f"stopcock: error: {exc}", file=sys.stderr)
+            return exc.exit_code
+        except KeyboardInterrupt:
+            print("stopcock: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":
     # ``python -m stopcock.cli`` runs this file as ``__main__``, a second copy of the module beside the
-    # ``stopcock.cli`` that the rest of the package imports: run the real one's main, so that one copy
-    # of its state is in play.
-    from stopcock.cli import main as package_main
+    # ``stopcock.cli`` that the rest of the package imports: run the real one's main (through the
+    # command's entry point, as ``stopcock`` does), so that one copy of its state is in play.
+    from _stopcock_launch import main as launch
 
-    sys.exit(package_main())
+    sys.exit(launch())

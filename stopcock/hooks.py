@@ -4,7 +4,9 @@ Used for abort mode (a check before every block, so a long prefill or denoiser c
 within one block) and for libraries with no step hook (a check before each denoiser call). Hooks
 act only on the thread that installed them, so a concurrent run on the same model in another
 thread is not touched, and they are always removed when the ``with`` block exits. The same holds
-for :func:`output_hooks` (after a forward) and :func:`bound` (a method replaced for this thread).
+for :func:`input_hooks` (before a forward, with its arguments), :func:`output_hooks` (after a
+forward: diffusers' fast-forward records the loop models' outputs) and :func:`bound` (a method
+replaced for this thread).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["bound", "find_blocks", "output_hooks", "pre_hooks"]
+__all__ = ["bound", "find_blocks", "input_hooks", "output_hooks", "pre_hooks"]
 
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:
@@ -42,16 +44,34 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
 @contextmanager
 def pre_hooks(modules: Iterable[nn.Module], fn: Callable[[nn.Module], Any]) -> Iterator[None]:
     """Call ``fn(module)`` before each forward of each module, on this thread only."""
+    with _thread_hooks(modules, "register_forward_pre_hook", lambda module, _args: fn(module)):
+        yield
+
+
+@contextmanager
+def input_hooks(
+    modules: Iterable[nn.Module], fn: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], Any]
+) -> Iterator[None]:
+    """Call ``fn(module, args, kwargs)`` before each forward of each module, on this thread only."""
+    with _thread_hooks(modules, "register_forward_pre_hook", fn, with_kwargs=True):
+        yield
+
+
+@contextmanager
+def _thread_hooks(
+    modules: Iterable[nn.Module], register: str, fn: Callable[..., Any], **options: Any
+) -> Iterator[None]:
+    """``fn``, hooked on each module by its ``register`` method, called on this thread only (what it
+    returns is the hook's result: None, or a forward hook's replacement output)."""
     owner = threading.get_ident()
 
-    def hook(module: nn.Module, args: Any) -> None:
-        if threading.get_ident() == owner:
-            fn(module)
+    def hook(*args: Any) -> Any:
+        return fn(*args) if threading.get_ident() == owner else None
 
     handles = []
     try:
         for m in dict.fromkeys(modules):  # each module once, order kept
-            handles.append(m.register_forward_pre_hook(hook))
+            handles.append(getattr(m, register)(hook, **options))
         yield
     finally:
         for h in handles:
@@ -113,16 +133,5 @@ def bound(obj: Any, name: str, wrap: Callable[[Callable[..., Any]], Callable[...
 def output_hooks(modules: Iterable[nn.Module], fn: Callable[[nn.Module, Any], Any]) -> Iterator[None]:
     """Call ``fn(module, output)`` after each forward of each module, on this thread only; a value
     it returns other than None replaces the output."""
-    owner = threading.get_ident()
-
-    def hook(module: nn.Module, args: Any, output: Any) -> Any:
-        return fn(module, output) if threading.get_ident() == owner else None
-
-    handles = []
-    try:
-        for m in dict.fromkeys(modules):
-            handles.append(m.register_forward_hook(hook))
+    with _thread_hooks(modules, "register_forward_hook", lambda module, _args, output: fn(module, output)):
         yield
-    finally:
-        for h in handles:
-            h.remove()

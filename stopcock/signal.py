@@ -101,27 +101,31 @@ class StopSignal:
         return reason
 
     def on_stop(self, fn: Callable[[], object]) -> Callable[[], None]:
-        """Run ``fn()`` once when stopped (at once if already stopped). Returns a remover."""
-        with self._cond:
-            if not self.stopped:
-                return self._callbacks.add(fn)
-        fn()
-        return lambda: None
+        """Run ``fn()`` once when stopped (at once if already stopped). Returns a remover.
+
+        Registered first, then checked: a stop that lands in between, even from a signal handler
+        interrupting this call on the same thread, either drains the registration (and runs it)
+        or finds it claimed back here (and this call runs it). Exactly once either way.
+        """
+        registration = self._callbacks.add(fn)
+        if self.stopped and registration.cancel():
+            fn()
+        return registration
 
     def child(self) -> StopSignal:
         """A new signal stopped (with the same reason) when this one stops, and stoppable alone.
 
         The parent holds its children weakly (a child no longer used costs nothing); a child holds
-        its parent, so ``root.child().child()`` still follows ``root``.
+        its parent, so ``root.child().child()`` still follows ``root``. Added first, then checked,
+        as in :meth:`on_stop` (stopping a child twice is harmless).
         """
         kid = StopSignal()
         kid._parent = self
         with self._cond:
-            kid._after_item = self._after_item
-            if not self.stopped:
-                self._children.add(kid)
-                return kid
-        kid.stop(self._claim["reason"][0])
+            self._children.add(kid)
+            kid._after_item = self._after_item  # after the add: a stop_after_item in between reaches it
+        if self.stopped:
+            kid.stop(self._claim["reason"][0])
         return kid
 
     # -- multi-item runs: skip the current item, or stop once it is done ----------------------------

@@ -190,3 +190,65 @@ def run_main(capsys):
     return call
 
 
+# -- the reliability suite (tests/test_reliability_*.py) -------------------------------------------
+SOAK = os.environ.get("STOPCOCK_SOAK", "") == "1"
+
+
+class Figures:
+    """Trial counts of the reliability suite and what they measured.
+
+    Bounded in CI; ``STOPCOCK_SOAK=1`` (``make soak``) runs the longer versions, and the figures
+    recorded are printed at the end of the session, with the totals by kind of failure.
+    """
+
+    #: Kinds of failure, as the checks name them, by the total they count in.
+    TOTALS = {
+        "lost stops": ("children_never_stopped", "callbacks_not_run_exactly_once", "lost",
+                       "wrong_exit_code_or_json"),
+        "hangs": ("hangs",),
+        "5xx": ("server_errors",),
+        "leaks": ("threads_left", "hooks_left", "interrupt_flags_left"),
+        "other failures": ("differ_from_alone",),
+    }
+
+    def __init__(self, soak: bool) -> None:
+        self.soak = soak
+        self.rows: list[tuple[str, int, str, dict[str, int], dict[str, int]]] = []
+
+    def trials(self, ci: int, soak: int) -> int:
+        return soak if self.soak else ci
+
+    def record(self, check: str, trials: int, unit: str, *, failures: dict[str, int],
+               seen: dict[str, int] | None = None) -> None:
+        """One check: ``trials`` of ``unit``, the count of each kind of failure (a kind of
+        :data:`TOTALS`), and what else was seen (counts that are not failures)."""
+        unknown = set(failures) - {kind for kinds in self.TOTALS.values() for kind in kinds}
+        assert not unknown, f"name these failures in Figures.TOTALS: {unknown}"
+        self.rows.append((check, trials, unit, failures, seen or {}))
+
+    def lines(self) -> list[str]:
+        out = []
+        for check, trials, unit, failures, seen in self.rows:
+            counts = ", ".join(f"{n} {what}" for what, n in {**failures, **seen}.items())
+            out.append(f"{check}: {trials:,} {unit}: {counts}")
+        totals = {total: sum(f.get(kind, 0) for *_, f, _ in self.rows for kind in kinds)
+                  for total, kinds in self.TOTALS.items()}
+        trials = sum(row[1] for row in self.rows)
+        out.append(f"total: {', '.join(f'{n} {total}' for total, n in totals.items())} in {trials:,} trials")
+        return out
+
+
+_FIGURES = Figures(SOAK)
+
+
+@pytest.fixture(scope="session")
+def figures() -> Figures:
+    return _FIGURES
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not _FIGURES.rows:
+        return
+    terminalreporter.section("reliability figures" + (" (soak)" if SOAK else " (bounded; make soak: longer)"))
+    for line in _FIGURES.lines():
+        terminalreporter.write_line(line)

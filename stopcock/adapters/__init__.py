@@ -37,7 +37,7 @@ REGISTRY: tuple[Registered, ...] = (
         name="diffusers",
         library="diffusers",
         kind="diffusers pipelines (DiffusionPipeline, ModularPipeline)",
-        options=frozenset({"partial"}),
+        options=frozenset({"partial", "stage"}),
         load=_diffusers,
     ),
 )

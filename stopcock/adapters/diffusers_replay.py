@@ -48,9 +48,13 @@ from ..control import RunControl
 from ..intercept import COMPUTE, answering
 from ..outcome import Outcome
 from ..state import StepState
-from .diffusers import DiffusersAdapter, denoisers
+from .diffusers import DiffusersAdapter
 
 __all__ = ["ADAPTER", "ResumableDiffusersAdapter", "fingerprint", "loop_models"]
+
+#: Words in the component names of the denoising models (unet, transformer, transformer_2, prior,
+#: decoder, ...).
+DENOISER_WORDS = frozenset({"unet", "transformer", "prior", "decoder", "denoiser"})
 
 
 def loop_models(pipe: Any) -> dict[str, torch.nn.Module]:
@@ -61,7 +65,13 @@ def loop_models(pipe: Any) -> dict[str, torch.nn.Module]:
         for name, m in dict(pipe.components).items()
         if isinstance(m, torch.nn.Module) and "controlnet" in name
     }
-    found = {name: m for name, m in denoisers(pipe).items() if "encoder" not in name.split("_")}
+    found = {
+        name: m
+        for name, m in dict(pipe.components).items()
+        if isinstance(m, torch.nn.Module)
+        and DENOISER_WORDS & set(words := name.split("_"))
+        and not {"text", "vae", "encoder"} & set(words)
+    }
     return {**found, **controlnets}
 
 

@@ -40,8 +40,9 @@ class _BodyLimit:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length", b"0")
-        too_large = not declared.isdigit() or int(declared) > MAX_BODY_BYTES
+        declared = dict(scope["headers"]).get(b"content-length", b"0").lstrip(b"0") or b"0"
+        # Digits first: int() of thousands of digits raises (Python's limit on int conversion).
+        too_large = not declared.isdigit() or len(declared) > 9 or int(declared) > MAX_BODY_BYTES
         body, more = bytearray(), True
         while more and not too_large:
             message = await receive()

@@ -36,9 +36,20 @@ from ..signal import StopSignal
 from ..state import StepState
 from ..tiny.demo import DESCRIPTIONS
 from .contract import HELD_STATES, Backend, InvalidJob, JobSpec, RunContext
-from .schemas import ImageParameters
+from .schemas import MIN_SAMPLING_TEMPERATURE, ImageParameters
 
-__all__ = ["ImageBackend", "TextBackend", "load_backends"]
+__all__ = ["ImageBackend", "TextBackend", "lane_components", "load_backends"]
+
+
+def lane_components(components: Mapping[str, Any]) -> dict[str, Any]:
+    """A lane's components: the models (torch modules, read-only in inference) shared, a copy of
+    everything else. A scheduler keeps per-call state, and each tokenizer call sets the padding
+    and truncation of the tokenizer it uses: two lanes sharing one can encode each other's prompt
+    with the other's settings, and a seed then no longer gives the same image."""
+    return {
+        name: part if part is None or isinstance(part, torch.nn.Module) else copy.deepcopy(part)
+        for name, part in components.items()
+    }
 
 
 class TextBackend:
@@ -102,8 +113,8 @@ class TextBackend:
         from transformers import pipeline
 
         model = self.pipe.model  # on the device it was moved to (the Ray engine's ModelSpec.device)
-        pipe = pipeline("text-generation", model=model, tokenizer=self.tokenizer, device=model.device)
-        return TextLane(self, pipe)
+        parts = lane_components({"model": model, "tokenizer": self.tokenizer})
+        return TextLane(self, pipeline("text-generation", **parts, device=model.device))
 
 
 class _Draw(LogitsProcessor):
@@ -143,15 +154,16 @@ class TextLane:
 
     @staticmethod
     def decoding(params: Mapping[str, Any], draw: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """``generate`` arguments: greedy at temperature 0, else sampling with the job's own generator
-        (put back at the ``draw`` state a checkpoint's notes keep, when resuming from a file).
+        """``generate`` arguments: greedy at temperature 0 (and below ``MIN_SAMPLING_TEMPERATURE``,
+        whose division overflows), else sampling with the job's own generator (put back at the
+        ``draw`` state a checkpoint's notes keep, when resuming from a file).
 
         ``generate``'s own sampling draws from torch's global generator, which every worker shares,
         so a seed would be exact only with one worker. Instead the temperature and top-p warpers
         are followed by :class:`_Draw`, which samples with a generator seeded from ``seed`` (at
         random without one) and leaves the drawn token the only choice for greedy decoding.
         """
-        if params["temperature"] == 0:
+        if params["temperature"] < MIN_SAMPLING_TEMPERATURE:
             return {"do_sample": False}
         seed = params.get("seed")
         drawer = _Draw(secrets.randbits(63) if seed is None else seed, draw)
@@ -164,8 +176,8 @@ class TextLane:
         params = spec.params
 
         def one(prompt: str, checkpoint: Any) -> tuple[Outcome, dict[str, Any]]:
-            prompt_len = len(self.backend.tokenizer(prompt)["input_ids"])
-            rows = RowDecoder(self.backend.tokenizer)
+            prompt_len = len(self.pipe.tokenizer(prompt)["input_ids"])
+            rows = RowDecoder(self.pipe.tokenizer)
             before = "" if checkpoint is None else str(checkpoint.notes.get("text", ""))
             pieces, skip = [before], len(before)
 
@@ -261,9 +273,7 @@ class ImageBackend:
         return light
 
     def lane(self) -> ImageLane:
-        components = dict(self.pipe.components)
-        components["scheduler"] = copy.deepcopy(self.pipe.scheduler)
-        pipe = type(self.pipe)(**components)
+        pipe = type(self.pipe)(**lane_components(self.pipe.components))
         pipe.set_progress_bar_config(disable=True)
         return ImageLane(self, pipe)
 

@@ -49,13 +49,28 @@ __all__ = [
     "Lane",
     "Pausable",
     "QueueFull",
+    "RESPONSE_ID_PREFIXES",
     "RunContext",
+    "job_id_of",
 ]
 
 FINAL_STATES = frozenset({"stopped", "completed", "failed"})
 #: A held job's state, which is also the reason its run was stopped with (its checkpoint is kept).
 PAUSED, PREEMPTED = "paused", "preempted"
 HELD_STATES = frozenset({PAUSED, PREEMPTED})
+
+#: The OpenAI-compatible responses' ids are the job id behind one of these prefixes; a job id never
+#: starts with one (nor with ``-``, which command-line tools read as an option): see
+#: :func:`stopcock.server.jobs.new_id`, which every engine uses.
+RESPONSE_ID_PREFIXES = ("cmpl-", "chatcmpl-")
+
+
+def job_id_of(public_id: str) -> str:
+    """The job id in ``public_id``: a job id as it is, or an OpenAI response id without its prefix."""
+    for prefix in RESPONSE_ID_PREFIXES:
+        if public_id.startswith(prefix):
+            return public_id[len(prefix) :]
+    return public_id
 
 
 class JobNotFound(LookupError):

@@ -26,7 +26,7 @@ from ..files import png_base64
 from ..outcome import Outcome
 from ..signal import StopSignal
 from ..state import StepState
-from .contract import FINAL_STATES, HELD_STATES, Event, JobSpec, JobView, Lane
+from .contract import FINAL_STATES, HELD_STATES, RESPONSE_ID_PREFIXES, Event, JobSpec, JobView, Lane
 
 __all__ = [
     "Changes",
@@ -51,8 +51,13 @@ Ended = tuple[str, str, dict[str, Any] | None, str | None]
 
 
 def new_id() -> str:
-    """A job id: 144 random bits, unguessable."""
-    return secrets.token_urlsafe(18)
+    """A job id: 144 random bits, unguessable, URL-safe, starting with a letter or a digit (an id
+    starting with ``-`` reads as an option to command-line tools) and never with a response prefix
+    (so :func:`~stopcock.server.contract.job_id_of` can take one off)."""
+    while True:
+        job_id = secrets.token_urlsafe(18)
+        if job_id[0].isalnum() and not job_id.startswith(RESPONSE_ID_PREFIXES):
+            return job_id
 
 
 class Changes:

@@ -1,4 +1,8 @@
-"""The job API: submit, read, follow, stop and collect generation jobs (``/v1/jobs``)."""
+"""The job API: submit, read, follow, stop and collect generation jobs (``/v1/jobs``).
+
+A job is named by its id or by the id of the OpenAI-compatible response that started it
+(``cmpl-<id>``, ``chatcmpl-<id>``): both work as they are.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +10,26 @@ import inspect
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Body, Query, Request
+from fastapi import APIRouter, Body, Depends, Header, Query, Request
 from fastapi.responses import StreamingResponse
 
 from .contract import Pausable
+from .contract import job_id_of
 from .deps import ApiError, Owner, engine_of, sse
 from .engine import FINAL_STATES
-from .schemas import JobRequest
+from .schemas import MAX_EVENT_ID, JobRequest
 
 __all__ = ["jobs"]
 
 jobs = APIRouter(prefix="/v1", tags=["jobs"])
+
+
+async def _job_id(job_id: str) -> str:  # async: run on the event loop, not in a worker thread
+    return job_id_of(job_id)
+
+
+#: The ``{job_id}`` of a path: a job id, or the id of the OpenAI response that started the job.
+JobId = Annotated[str, Depends(_job_id)]
 
 
 @jobs.post("/jobs", status_code=201)
@@ -35,14 +48,14 @@ async def list_jobs(
 
 
 @jobs.get("/jobs/{job_id}")
-async def get_job(request: Request, who: Owner, job_id: str) -> dict[str, Any]:
+async def get_job(request: Request, who: Owner, job_id: JobId) -> dict[str, Any]:
     """The job's state, step, total and reason."""
     return (await engine_of(request).get(job_id, who)).to_json()
 
 
 @jobs.post("/jobs/{job_id}/stop")
 async def stop_job(
-    request: Request, who: Owner, job_id: str, at: Annotated[Literal["now", "item"], Query()] = "now"
+    request: Request, who: Owner, job_id: JobId, at: Annotated[Literal["now", "item"], Query()] = "now"
 ) -> dict[str, Any]:
     """Stop this job (only this one) and answer with its state once the stop took effect.
 
@@ -54,7 +67,7 @@ async def stop_job(
 
 
 @jobs.post("/jobs/{job_id}/skip")
-async def skip_job(request: Request, who: Owner, job_id: str) -> dict[str, Any]:
+async def skip_job(request: Request, who: Owner, job_id: JobId) -> dict[str, Any]:
     """End the job's current item (prompt) and go on with the next; a job of one prompt ends
     (reason ``"skipped"``). Answered at once; a job not running is left as it is."""
     return (await engine_of(request).skip(job_id, who)).to_json()
@@ -69,7 +82,7 @@ def _pausable(request: Request) -> Pausable:
 
 
 @jobs.post("/jobs/{job_id}/pause")
-async def pause_job(request: Request, who: Owner, job_id: str) -> dict[str, Any]:
+async def pause_job(request: Request, who: Owner, job_id: JobId) -> dict[str, Any]:
     """Pause this job: a running one is checkpointed at its next step and its worker freed (the
     checkpoint stays on the server); answers once it is paused. 409 for a job that has ended; 400
     on an engine that cannot pause jobs."""
@@ -77,14 +90,14 @@ async def pause_job(request: Request, who: Owner, job_id: str) -> dict[str, Any]
 
 
 @jobs.post("/jobs/{job_id}/resume")
-async def resume_job(request: Request, who: Owner, job_id: str) -> dict[str, Any]:
+async def resume_job(request: Request, who: Owner, job_id: JobId) -> dict[str, Any]:
     """Resume a paused job: it is queued again and continues from its checkpoint, with the result
     of a run never paused. 409 for a job that has ended; 400 on an engine that cannot pause jobs."""
     return (await _pausable(request).resume(job_id, who)).to_json()
 
 
 @jobs.get("/jobs/{job_id}/result")
-async def job_result(request: Request, who: Owner, job_id: str) -> dict[str, Any]:
+async def job_result(request: Request, who: Owner, job_id: JobId) -> dict[str, Any]:
     """The final state and the generated text or image (PNG, base64); 409 while it runs."""
     found = await engine_of(request).result(job_id, who)
     if found["job"]["state"] not in FINAL_STATES:
@@ -98,17 +111,23 @@ async def job_result(request: Request, who: Owner, job_id: str) -> dict[str, Any
 
 @jobs.get("/jobs/{job_id}/events")
 async def job_events(
-    request: Request, who: Owner, job_id: str, after: Annotated[int, Query(ge=0)] = 0
+    request: Request,
+    who: Owner,
+    job_id: JobId,
+    after: Annotated[int, Query(ge=0, le=MAX_EVENT_ID)] = 0,
+    last_event_id: Annotated[
+        str | None,
+        Header(alias="Last-Event-ID", pattern=r"^[0-9]{0,18}$", description="resume after this event's id"),
+    ] = None,
 ) -> StreamingResponse:
     """Server-sent events: queued, started, progress, text, preview, paused, preempted, resumed, done.
 
-    Resume with ``?after=SEQ`` or the ``Last-Event-ID`` header. Closing this stream does not stop
-    the job (use ``/stop``).
+    Resume with ``?after=SEQ`` or the ``Last-Event-ID`` header (an event's id: ASCII digits; an
+    empty one means from the start). Closing this stream does not stop the job (use ``/stop``).
     """
     engine = engine_of(request)
     await engine.get(job_id, who)  # 404 now, not inside the stream
-    last = request.headers.get("last-event-id", "")
-    start = max(after, int(last) if last.isdigit() else 0)
+    start = max(after, int(last_event_id or 0))
 
     async def body() -> AsyncIterator[str]:
         async for event in engine.events(job_id, who, start):

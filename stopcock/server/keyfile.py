@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from ..errors import UserError
@@ -9,13 +10,33 @@ from ..errors import UserError
 __all__ = ["read_key_file"]
 
 
+#: A line of a keys file: a key, then optionally a comment after white space (``KEY  # alice``).
+_KEY_LINE = re.compile(r"(?P<key>[^\s#][^\s]*)(?:\s+#.*)?")
+
+
 def read_key_file(path: str) -> list[str]:
-    """The keys in ``path``, one per line; blank lines and ``#`` comment lines are skipped."""
+    """The keys in ``path``, one per line.
+
+    Blank lines and lines starting with ``#`` are skipped, and a key may be followed by a comment
+    after white space. A line that is not that (a key with spaces inside) is refused, naming the
+    line, rather than taken whole as a key.
+    """
     try:
         lines = Path(path).read_text("utf-8").splitlines()
     except OSError as exc:
         raise UserError(f"cannot read --api-keys-file: {exc}") from None
-    keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    keys = []
+    for number, line in enumerate(lines, 1):
+        text = line.strip()
+        if not text or text.startswith("#"):
+            continue
+        found = _KEY_LINE.fullmatch(text)
+        if found is None:
+            raise UserError(
+                f"--api-keys-file {path}, line {number}: a key cannot hold spaces; write one key per line,"
+                " optionally followed by white space and a # comment"
+            )
+        keys.append(found["key"])
     if not keys:
         raise UserError(f"--api-keys-file {path} holds no keys (one per line, # for comments)")
     return keys

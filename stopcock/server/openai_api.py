@@ -1,11 +1,12 @@
 """OpenAI-compatible endpoints over the same jobs: completions, chat completions, images.
 
-Each request is a job (its id is the response id without the ``cmpl-``/``chatcmpl-``/``img-``
-prefix, so ``POST /v1/jobs/{id}/stop`` stops it too). When the client goes away, streaming or
-not, the job is stopped with reason ``"disconnected"``: no orphan compute. ``stop`` sequences are
-cut from the returned text, as OpenAI does. ``finish_reason`` is ``"stop"`` for a stop sequence,
-end of text or a stop request, ``"length"`` for ``max_tokens``, a timeout or a step limit. Each
-response also carries a ``stopcock`` object: the run's Outcome summary (reason, steps, latency).
+Each request is a job; the response id is the job id behind a ``cmpl-``/``chatcmpl-`` prefix, and
+the job API takes it as it is (``POST /v1/jobs/{response id}/stop`` stops it). When the client goes
+away, streaming or not, the job is stopped with reason ``"disconnected"``: no orphan compute.
+``stop`` sequences are cut from the returned text, as OpenAI does. ``finish_reason`` is ``"stop"``
+for a stop sequence, end of text or a stop request, ``"length"`` for ``max_tokens``, a timeout or a
+step limit. Each response also carries a ``stopcock`` object: the run's Outcome summary (reason,
+steps, latency).
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """Request bodies, with the server's limits: every violation is a 422 with a JSON error.
 
 Unknown fields are rejected (``extra="forbid"``) rather than silently ignored, so a client asking
-for something this server does not do (``echo``, ``logprobs``, ``n > 1``...) is told so.
+for something this server does not do (``echo``, ``logprobs``, ``n > 1``...) is told so. Types are
+strict: a number field takes a JSON number (``true`` is not 1, ``"5"`` is not 5), an integer field
+an integer.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ MAX_TIMEOUT_S = 3600.0
 MAX_MESSAGES = 64
 MAX_SEED = 2**32 - 1
 MAX_PRIORITY = 100
+MAX_EVENT_ID = 10**18 - 1  # an event id (``after=``, ``Last-Event-ID``) has at most 18 digits
+#: Temperatures below this sample as greedy decoding does (their limit): dividing the scores by a
+#: smaller one overflows to infinities, and a tiny positive one must not fail the job.
+MIN_SAMPLING_TEMPERATURE = 1e-5
 
 Prompt = Annotated[str, StringConstraints(min_length=1, max_length=MAX_PROMPT_CHARS)]
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
@@ -35,7 +41,7 @@ Side = Annotated[int, Field(ge=64, le=MAX_IMAGE_SIDE, multiple_of=64)]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StopConditions(Strict):
@@ -60,7 +66,9 @@ class StopConditions(Strict):
 
 class TextParameters(Strict):
     max_tokens: int = Field(default=64, ge=1, le=MAX_TOKENS, description="new tokens at most")
-    temperature: float = Field(default=0.0, ge=0, le=2, description="0 = greedy")
+    temperature: float = Field(
+        default=0.0, ge=0, le=2, description=f"0 = greedy (and below {MIN_SAMPLING_TEMPERATURE:g})"
+    )
     top_p: float = Field(default=1.0, gt=0, le=1)
     seed: Seed | None = None
 
@@ -133,7 +141,9 @@ JobRequest = Annotated[TextJob | ImageJob, Field(discriminator="kind")]
 class _OpenAIText(Strict):
     model: Annotated[str, StringConstraints(max_length=256)]
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
-    temperature: float = Field(default=1.0, ge=0, le=2)
+    temperature: float = Field(
+        default=1.0, ge=0, le=2, description=f"0 = greedy (and below {MIN_SAMPLING_TEMPERATURE:g})"
+    )
     top_p: float = Field(default=1.0, gt=0, le=1)
     n: Literal[1] = Field(default=1, description="only one choice per request is supported")
     stream: bool = False

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import socket
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -90,6 +91,17 @@ def read_keys(args: argparse.Namespace) -> list[str]:
     return list(args.api_key or []) if args.api_keys_file is None else read_key_file(args.api_keys_file)
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port``, before anything loads: a port in use is a one-line error."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as exc:
+        raise UserError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}; stop what uses it or pass another --port"
+        ) from None
+
+
 def _loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -105,17 +117,24 @@ def serve(args: argparse.Namespace) -> int:
     """
     try:
         keys = read_keys(args)
-        if getattr(args, "engine", "local") == "ray":
-            _check(args, keys)
-            from .ray_deploy import serve_forever
-
-            serve_forever(args, keys, step_delay=_step_delay())
-            return 0
-        backends = _load(args, keys)
+        sock = listen(args.host, args.port)  # before the models load: a port in use fails at once
     except UserError as exc:
         print(f"stopcock serve: error: {exc}", file=sys.stderr)
         return 1
-    _run(args, keys, backends)
+    with sock:
+        try:
+            if getattr(args, "engine", "local") == "ray":
+                _check(args, keys)
+                sock.close()  # Ray Serve's proxy binds the port itself: it was free a moment ago
+                from .ray_deploy import serve_forever
+
+                serve_forever(args, keys, step_delay=_step_delay())
+                return 0
+            backends = _load(args, keys)
+            _run(args, keys, backends, sock)
+        except UserError as exc:
+            print(f"stopcock serve: error: {exc}", file=sys.stderr)
+            return 1
     return 0
 
 
@@ -141,7 +160,7 @@ def _check(args: argparse.Namespace, keys: list[str]) -> None:
         )
 
 
-def _run(args: argparse.Namespace, keys: list[str], backends: dict[str, Any]) -> None:
+def _run(args: argparse.Namespace, keys: list[str], backends: dict[str, Any], sock: socket.socket) -> None:
     import uvicorn
 
     from .app import create_app
@@ -155,13 +174,22 @@ def _run(args: argparse.Namespace, keys: list[str], backends: dict[str, Any]) ->
     )
 
     class Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started:  # uvicorn says nothing when given its socket
+                host, port = sock.getsockname()[:2]
+                url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+                print(f"stopcock serve: running on {url} (Ctrl+C to stop)", file=sys.stderr, flush=True)
+
         async def shutdown(self, sockets: Any = None) -> None:
             await engine.aclose()  # stop every job first ("shutdown"): open streams end with their outcome
             await super().shutdown(sockets)
 
     try:
         app = create_app(engine, api_keys=keys)
-        Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=5)).run()
+        Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=5)).run([sock])
+    except SystemExit as exc:  # uvicorn's own exit when it cannot start (its status 3 is not ours)
+        raise UserError(f"the server could not start (uvicorn exit status {exc.code})") from None
     finally:
         engine.close()
 
