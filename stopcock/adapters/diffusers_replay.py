@@ -220,10 +220,15 @@ def _restore(
 # -- the source ------------------------------------------------------------------------------------------
 class _Replay:
     """The loop models' source for one run: answers the calls recorded in ``saved`` (a checkpoint's
-    state; none when the run starts from scratch), lets the rest compute, and records every call by step."""
+    state; none when the run starts from scratch), lets the rest compute, and records every call by step
+    until ``control`` has seen the stop: what runs after it (a fast-forwarded tail, a combined
+    pipeline's next stage) is the finish of a stopped run, not work a resume can skip."""
 
-    def __init__(self, models: dict[str, torch.nn.Module], saved: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, models: dict[str, torch.nn.Module], control: RunControl, saved: dict[str, Any] | None = None
+    ) -> None:
         self.models = models
+        self.control = control
         self.names = {id(m): name for name, m in models.items()}
         self.managers = {name: _managers(m) for name, m in models.items()}
         self.saved = saved
@@ -254,12 +259,16 @@ class _Replay:
         return _output(call["output"], module, _device_of(args, kwargs))
 
     def observe(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        if self.control.seen:
+            return
         self.current.append(
             {"model": self.names[id(module)], "inputs": _inputs(args, kwargs), "output": _output_data(output)}
         )
 
     def boundary(self, state: StepState) -> None:
         """A step is done: close its calls, keep its latents and the cache hooks' state."""
+        if self.control.seen:
+            return
         self.steps.append(self.current)
         self.current = []
         self.latents = state.latents.clone() if isinstance(state.latents, torch.Tensor) else state.latents
@@ -329,10 +338,10 @@ def _steps_hook(control: RunControl, source: _Replay, skip_until: int) -> None:
 def _made(pipe: Any, source: _Replay, call: dict[str, Any], rng: Any, outcome: Outcome) -> Checkpoint:
     return Checkpoint(
         kind="diffusers",
-        steps=outcome.steps,
+        steps=len(source.steps),
         total=outcome.total_steps,
         fingerprint=fingerprint(pipe),
-        state=source.state(call, rng, outcome.steps),
+        state=source.state(call, rng, len(source.steps)),
     )
 
 
@@ -345,7 +354,7 @@ class ResumableDiffusersAdapter(DiffusersAdapter):
         """``run(...)`` with ``checkpoint=True``: the Outcome carries a :class:`Checkpoint`."""
         call = freeze_call(args, kwargs)
         rng = None if kwargs.get("generator") is not None else rng_state()  # else the global RNG draws
-        source = _Replay(loop_models(target))
+        source = _Replay(loop_models(target), control)
         _steps_hook(control, source, 0)
         with answering(source.models.values(), source):
             outcome = self.run(target, args, kwargs, control, **options)
@@ -368,11 +377,12 @@ class ResumableDiffusersAdapter(DiffusersAdapter):
         call = thaw(state["call"], given)
         if state["rng"] is not None:
             restore_rng(state["rng"])
-        source = _Replay(loop_models(target), state)
+        source = _Replay(loop_models(target), control, state)
         _steps_hook(control, source, checkpoint.steps)
         with answering(source.models.values(), source):
             outcome = self.run(target, tuple(call["args"]), call["kwargs"], control, **options)
-        saved = min(checkpoint.steps, outcome.steps)
+        done = len(source.steps)  # the steps before the stop (replayed ones included)
+        saved = min(checkpoint.steps, done)
         outcome.resumed = {
             "from_step": checkpoint.steps,
             "saved_steps": saved,
@@ -380,7 +390,7 @@ class ResumableDiffusersAdapter(DiffusersAdapter):
             "how": "replay",
         }
         if record:  # a resume stopped before the checkpoint's step keeps the checkpoint: it is further on
-            further = outcome.steps < checkpoint.steps
+            further = done < checkpoint.steps
             outcome.checkpoint = (
                 checkpoint if further else _made(target, source, state["call"], state["rng"], outcome)
             )

@@ -13,8 +13,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Body, Depends, Header, Query, Request
 from fastapi.responses import StreamingResponse
 
-from .contract import Pausable
-from .contract import job_id_of
+from .contract import Pausable, job_id_of
 from .deps import ApiError, Owner, engine_of, sse
 from .engine import FINAL_STATES
 from .schemas import MAX_EVENT_ID, JobRequest
