@@ -3,11 +3,14 @@
 ``intercepted(obj, method, handler)`` sends the calls of ``obj.method(...)`` made on this thread to
 ``handler(call, *args, **kwargs)``, where ``call`` is the original bound method: the handler may
 call it (and look at the result), change its arguments, or answer without calling it at all.
+Interceptions nest: the innermost handler is asked first, and its ``call`` goes through the ones
+outside it (a fast-forward answering inside a recording leaves nothing to record).
 ``answering(modules, source)`` builds on it for loop models: each call of a module asks
 ``source.answer(module, args, kwargs)`` first, and only a call it does not answer (:data:`COMPUTE`)
 runs, its output shown to ``source.observe(...)``. Resuming a diffusion run answers its first
 steps' denoiser calls from the checkpoint (replay); recording is a source that answers nothing and
-observes everything; a stopped loop's models answering from their last output is a third source.
+observes everything; a stopped loop's models answering from their last output
+(:mod:`stopcock.adapters.diffusers_loop`) intercept the same way.
 
 It works by giving the object, for the duration, a same-named subclass whose ``method`` dispatches
 to this thread's handler: a module's ``__call__`` is looked up on its type, so an instance
@@ -32,7 +35,8 @@ __all__ = ["COMPUTE", "Source", "answering", "intercepted"]
 #: What :meth:`Source.answer` returns to let the call run.
 COMPUTE: Any = object()
 
-_STATE = "_stopcock_intercepted"  # in the object's __dict__: (original class, {method: {thread: handler}})
+# in the object's __dict__: (original class, {method: {thread: [handlers, innermost last]}})
+_STATE = "_stopcock_intercepted"
 _lock = threading.Lock()
 _subclasses: dict[tuple[type, frozenset[str]], type] = {}
 
@@ -42,8 +46,10 @@ def _dispatcher(original: type, method: str) -> Callable[..., Any]:
         call = functools.partial(getattr(original, method), self)
         # read once: another thread may give the object its own class back meanwhile
         state = vars(self).get(_STATE)
-        handler = None if state is None else state[1].get(method, {}).get(threading.get_ident())
-        return call(*args, **kwargs) if handler is None else handler(call, *args, **kwargs)
+        handlers = () if state is None else tuple(state[1].get(method, {}).get(threading.get_ident(), ()))
+        for handler in handlers:  # outermost first: each one's call goes through those outside it
+            call = functools.partial(handler, call)
+        return call(*args, **kwargs)
 
     dispatch.__name__ = method
     return dispatch
@@ -75,16 +81,16 @@ def intercepted(obj: Any, method: str, handler: Callable[..., Any]) -> Iterator[
     me = threading.get_ident()
     with _lock:
         state = vars(obj).setdefault(_STATE, (type(obj), {}))
-        by_thread = state[1].setdefault(method, {})
-        if me in by_thread:
-            raise RuntimeError(f"{type(obj).__name__}.{method} is already intercepted on this thread")
-        by_thread[me] = handler
+        state[1].setdefault(method, {}).setdefault(me, []).append(handler)
         _retype(obj)
     try:
         yield
     finally:
         with _lock:
-            del vars(obj)[_STATE][1][method][me]
+            by_thread = vars(obj)[_STATE][1][method]
+            by_thread[me].remove(handler)
+            if not by_thread[me]:
+                del by_thread[me]
             _retype(obj)
 
 

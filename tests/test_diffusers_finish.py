@@ -22,7 +22,7 @@ from diffusers import DDPMScheduler, DiffusionPipeline
 
 import stopcock
 from stopcock.adapters.diffusers import honours_interrupt
-from stopcock.adapters.diffusers_loop import intercepted
+from stopcock.intercept import intercepted
 from tiny import image as tiny
 
 STEPS = 4
@@ -265,8 +265,8 @@ def test_a_model_shared_with_another_thread_computes_there(lcm):
 
 def test_nested_interceptions_unwind_to_the_plain_class():
     unet = tiny.ddpm_pipeline().unet
-    with intercepted(unet, lambda call, a, k: "outer"):
-        with intercepted(unet, lambda call, a, k: "inner"):
+    with intercepted(unet, "__call__", lambda call, *a, **k: "outer"):
+        with intercepted(unet, "__call__", lambda call, *a, **k: "inner"):
             assert unet() == "inner"
         assert unet() == "outer"
     assert type(unet).__call__ is torch.nn.Module.__call__

@@ -46,12 +46,13 @@ from ..conditions import StopLike, refuse_row_conditions
 from ..control import Abort, RunControl
 from ..events import StreamEvents
 from ..hooks import find_blocks, input_hooks, pre_hooks
+from ..intercept import intercepted
 from ..outcome import Outcome
 from ..pipeline_facts import GENERATE_ONLY, call_honours_interrupt
 from ..previews import previewer
 from ..state import StepState
 from ..types import PARTIALS, Mode, Partial, choice
-from .diffusers_loop import LoopModels, intercepted
+from .diffusers_loop import LoopModels
 
 __all__ = ["ADAPTER", "DiffusersAdapter", "attach", "step_callback", "guard", "honours_interrupt", "Handle"]
 
@@ -443,10 +444,10 @@ class _Binding:
             # A next timestep with no scheduler step since: this loop has none. From now on each call of
             # the denoiser is checked before it computes (this one already does).
             self.untimed = True
-            self._stack.enter_context(intercepted(module, self._untimed_call))
+            self._stack.enter_context(intercepted(module, "__call__", self._untimed_call))
             self._untimed_step(t, args, computing=True)
 
-    def _untimed_call(self, call: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _untimed_call(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         t = _timestep_of(self.denoiser, args, kwargs)
         if self.stopped_in is None and t is not None and t != self.denoiser_t:
             self._untimed_step(t, args)

@@ -7,77 +7,28 @@ not a copy) instead of computing, and the scheduler holds the sample (the step w
 :mod:`stopcock.adapters.diffusers`). What the pipeline does after its loop (decode, post-processing,
 its output class) is its own code and runs once.
 
-A forward hook cannot skip a computation, so a held model's class is swapped, for the run, for a
-subclass of the same name whose ``__call__`` answers on the run's thread only: a model shared with a
-pipeline running in another thread keeps computing there. An answered call runs none of the model's
+A forward hook cannot skip a computation, so a held model's ``__call__`` is intercepted on the run's
+thread only (:func:`stopcock.intercept.intercepted`: a same-named subclass for the run): a model shared
+with a pipeline running in another thread keeps computing there. An answered call runs none of the model's
 hooks (nor accelerate's or diffusers' wrappers of its ``forward``): to them it did not happen. The
 outputs are recorded by torch forward hooks.
 """
 
 from __future__ import annotations
 
-import functools
-import threading
-import weakref
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
 from typing import Any
 
 from torch import nn
 
 from ..hooks import output_hooks
+from ..intercept import intercepted
 
-__all__ = ["Answers", "Handler", "LoopModels", "intercepted"]
+__all__ = ["Answers", "LoopModels"]
 
-#: ``handler(call, args, kwargs)``: what an intercepted call returns (``call`` computes, as usual).
-Handler = Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
 #: ``answers(module, args, kwargs)``: whether a held model answers this call (False: it computes).
 Answers = Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], bool]
-
-# model -> thread -> its handlers, innermost last
-_handlers: weakref.WeakKeyDictionary[nn.Module, dict[int, list[Handler]]] = weakref.WeakKeyDictionary()
-_subclasses: dict[type, type] = {}  # a model class -> its intercepting subclass
-_lock = threading.Lock()
-
-
-def _intercepting(cls: type[nn.Module]) -> type[nn.Module]:
-    """``cls`` with a ``__call__`` that hands this thread's calls to its handler, if it has one."""
-    if cls not in _subclasses:
-
-        def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            handlers = _handlers.get(self, {}).get(threading.get_ident())
-            if not handlers:
-                return cls.__call__(self, *args, **kwargs)
-            return handlers[-1](functools.partial(cls.__call__, self), args, kwargs)
-
-        attrs = {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
-        _subclasses[cls] = type(cls.__name__, (cls,), attrs)
-    return _subclasses[cls]
-
-
-@contextmanager
-def intercepted(module: nn.Module, handler: Handler) -> Iterator[None]:
-    """While active, this thread's calls of ``module`` return ``handler(call, args, kwargs)`` instead
-    of ``call(*args, **kwargs)`` (the innermost one, when nested); other threads' calls are untouched.
-    The last one out puts the module's class back."""
-    ident = threading.get_ident()
-    with _lock:
-        if type(module) not in _subclasses.values():
-            module.__class__ = _intercepting(type(module))
-        _handlers.setdefault(module, {}).setdefault(ident, []).append(handler)
-    try:
-        yield
-    finally:
-        with _lock:
-            threads = _handlers.get(module, {})
-            mine = threads.get(ident, [])
-            mine.remove(handler)
-            if not mine:
-                threads.pop(ident, None)
-            if not threads:
-                _handlers.pop(module, None)
-                if type(module) in _subclasses.values():
-                    module.__class__ = type(module).__mro__[1]
 
 
 class LoopModels:
@@ -117,10 +68,11 @@ class LoopModels:
         for module, output in self.outputs.items():
             if module not in self._holding:
                 self._holding.add(module)
-                self._held.enter_context(intercepted(module, self._answer(module, output, answers)))
+                answer = self._answer(module, output, answers)
+                self._held.enter_context(intercepted(module, "__call__", answer))
 
-    def _answer(self, module: nn.Module, output: Any, answers: Answers) -> Handler:
-        def answer(call: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _answer(self, module: nn.Module, output: Any, answers: Answers) -> Callable[..., Any]:
+        def answer(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             if not answers(module, args, kwargs):
                 return call(*args, **kwargs)
             self.answered += 1

@@ -221,11 +221,14 @@ def _restore(
 class _Replay:
     """The loop models' source for one run: answers the calls recorded in ``saved`` (a checkpoint's
     state; none when the run starts from scratch), lets the rest compute, and records every call by step
-    until ``control`` has seen the stop: what runs after it (a fast-forwarded tail, a combined
+    until ``control`` (the run's) has seen the stop: what runs after it (a fast-forwarded tail, a combined
     pipeline's next stage) is the finish of a stopped run, not work a resume can skip."""
 
     def __init__(
-        self, models: dict[str, torch.nn.Module], control: RunControl, saved: dict[str, Any] | None = None
+        self,
+        models: dict[str, torch.nn.Module],
+        saved: dict[str, Any] | None = None,
+        control: RunControl | None = None,
     ) -> None:
         self.models = models
         self.control = control
@@ -238,6 +241,9 @@ class _Replay:
         self.current: list[dict[str, Any]] = []
         self.latents: Any = None
         self.hooks: dict[str, Any] = {}
+
+    def _after_stop(self) -> bool:
+        return self.control is not None and self.control.seen
 
     def answer(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not self.queue:
@@ -259,7 +265,7 @@ class _Replay:
         return _output(call["output"], module, _device_of(args, kwargs))
 
     def observe(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        if self.control.seen:
+        if self._after_stop():
             return
         self.current.append(
             {"model": self.names[id(module)], "inputs": _inputs(args, kwargs), "output": _output_data(output)}
@@ -267,7 +273,7 @@ class _Replay:
 
     def boundary(self, state: StepState) -> None:
         """A step is done: close its calls, keep its latents and the cache hooks' state."""
-        if self.control.seen:
+        if self._after_stop():
             return
         self.steps.append(self.current)
         self.current = []
@@ -354,7 +360,7 @@ class ResumableDiffusersAdapter(DiffusersAdapter):
         """``run(...)`` with ``checkpoint=True``: the Outcome carries a :class:`Checkpoint`."""
         call = freeze_call(args, kwargs)
         rng = None if kwargs.get("generator") is not None else rng_state()  # else the global RNG draws
-        source = _Replay(loop_models(target), control)
+        source = _Replay(loop_models(target), control=control)
         _steps_hook(control, source, 0)
         with answering(source.models.values(), source):
             outcome = self.run(target, args, kwargs, control, **options)
@@ -377,7 +383,7 @@ class ResumableDiffusersAdapter(DiffusersAdapter):
         call = thaw(state["call"], given)
         if state["rng"] is not None:
             restore_rng(state["rng"])
-        source = _Replay(loop_models(target), control, state)
+        source = _Replay(loop_models(target), state, control)
         _steps_hook(control, source, checkpoint.steps)
         with answering(source.models.values(), source):
             outcome = self.run(target, tuple(call["args"]), call["kwargs"], control, **options)
