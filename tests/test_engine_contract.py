@@ -371,6 +371,28 @@ def test_closing_the_event_stream_does_not_stop_the_job(client):
     assert client.post(f"/v1/jobs/{job['id']}/stop").json()["reason"] == "user"
 
 
+def test_a_follower_that_asks_for_it_stops_the_job_when_it_goes_away(client):
+    job = submit(client, text_job())
+    first = wait_for_step(client, job["id"], 2, params={"stop_on_disconnect": "true"})  # closed on return
+    done = done_of(client, job["id"])  # a plain follower: it reads to the end without stopping anything
+    assert (done["state"], done["reason"]) == ("stopped", "disconnected")
+    assert first["step"] <= done["stop_step"] and within_one_step(done)
+
+
+def test_a_blocking_result_waits_for_the_end_and_stops_the_job_if_its_client_gives_up(client):
+    short = submit(client, text_job(max_tokens=3))
+    found = client.get(f"/v1/jobs/{short['id']}/result", params={"wait": "true"})
+    assert found.status_code == 200 and found.json()["job"]["state"] == "completed"
+    assert found.json()["result"]["text"]
+    job = submit(client, text_job())
+    wait_for_step(client, job["id"], 1)
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up long before the job could finish
+        client.get(f"/v1/jobs/{job['id']}/result", params={"wait": "true"}, timeout=httpx.Timeout(60, read=0.5))
+    done = done_of(client, job["id"])
+    assert (done["state"], done["reason"]) == ("stopped", "disconnected") and within_one_step(done)
+    assert client.get("/v1/jobs/not-a-job/result", params={"wait": "true"}).status_code == 404
+
+
 def test_a_stop_whose_caller_goes_away_still_takes_effect(client, server):
     job = submit(client, text_job())
     wait_for_step(client, job["id"], 1)

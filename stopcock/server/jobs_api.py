@@ -2,6 +2,10 @@
 
 A job is named by its id or by the id of the OpenAI-compatible response that started it
 (``cmpl-<id>``, ``chatcmpl-<id>``): both work as they are.
+
+A job runs on whether or not anyone follows it (it is collected later; an event stream can be
+resumed), unless its client says otherwise: ``/events?stop_on_disconnect=true`` and
+``/result?wait=true`` stop the job (reason ``"disconnected"``) when that client goes away first.
 """
 
 from __future__ import annotations
@@ -11,10 +15,9 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Depends, Header, Query, Request
-from fastapi.responses import StreamingResponse
 
 from .contract import Pausable, job_id_of
-from .deps import ApiError, Owner, engine_of, sse
+from .deps import ApiError, EventStream, Owner, engine_of, sse, until_done_or_gone
 from .engine import FINAL_STATES
 from .schemas import MAX_EVENT_ID, JobRequest
 
@@ -96,9 +99,18 @@ async def resume_job(request: Request, who: Owner, job_id: JobId) -> dict[str, A
 
 
 @jobs.get("/jobs/{job_id}/result")
-async def job_result(request: Request, who: Owner, job_id: JobId) -> dict[str, Any]:
-    """The final state and the generated text or image (PNG, base64); 409 while it runs."""
-    found = await engine_of(request).result(job_id, who)
+async def job_result(
+    request: Request, who: Owner, job_id: JobId, wait: Annotated[bool, Query()] = False
+) -> dict[str, Any]:
+    """The final state and the generated text or image (PNG, base64); 409 while it runs.
+
+    ``wait=true`` answers once the job has ended instead, and stops it (reason ``"disconnected"``)
+    if this client goes away first: a blocking call whose work ends with its caller."""
+    engine = engine_of(request)
+    if wait:
+        await engine.get(job_id, who)  # 404 now
+        await until_done_or_gone(request, engine, job_id, who)
+    found = await engine.result(job_id, who)
     if found["job"]["state"] not in FINAL_STATES:
         raise ApiError(
             409,
@@ -118,21 +130,31 @@ async def job_events(
         str | None,
         Header(alias="Last-Event-ID", pattern=r"^[0-9]{0,18}$", description="resume after this event's id"),
     ] = None,
-) -> StreamingResponse:
+    stop_on_disconnect: Annotated[bool, Query()] = False,
+) -> EventStream:
     """Server-sent events: queued, started, progress, text, preview, paused, preempted, resumed, done.
 
     Resume with ``?after=SEQ`` or the ``Last-Event-ID`` header (an event's id: ASCII digits; an
-    empty one means from the start). Closing this stream does not stop the job (use ``/stop``).
+    empty one means from the start). Closing this stream does not stop the job (use ``/stop``),
+    unless ``stop_on_disconnect=true``: then a stream that ends before the ``done`` event, however
+    it ends, stops the job (reason ``"disconnected"``).
     """
     engine = engine_of(request)
     await engine.get(job_id, who)  # 404 now, not inside the stream
     start = max(after, int(last_event_id or 0))
+    done = False
 
     async def body() -> AsyncIterator[str]:
+        nonlocal done
         async for event in engine.events(job_id, who, start):
             yield sse(event)
+            done = event.type == "done"
 
-    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    async def on_end() -> None:
+        if stop_on_disconnect and not done:
+            await engine.stop(job_id, who, "disconnected", wait=False)
+
+    return EventStream(body(), on_end)
 
 
 @jobs.get("/models")
