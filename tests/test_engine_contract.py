@@ -166,6 +166,15 @@ def test_pause_holds_a_job_where_the_engine_can_and_is_a_400_elsewhere(client, s
     assert (done["state"], done["step"], done["saved_steps"]) == ("completed", 40, paused["step"])
 
 
+def test_priority_is_honoured_where_the_engine_can_and_refused_elsewhere(client, server):
+    answer = client.post("/v1/jobs", json={**text_job(3), "priority": 5})
+    if server.name == "ray":  # the Ray engine queues in submission order: said, never silently ignored
+        assert answer.status_code == 400 and "priority" in answer.json()["error"]["message"]
+        return
+    assert answer.status_code == 201 and answer.json()["priority"] == 5
+    assert done_of(client, answer.json()["id"])["state"] == "completed"
+
+
 def test_stop_after_the_end_reports_the_end(client):
     job = submit(client, text_job(3))
     done = done_of(client, job["id"])

@@ -258,6 +258,11 @@ class RayEngine:
         if spec.kind not in self.models:
             served = ", ".join(self.models)
             raise KindNotServed(f"this server has no {spec.kind} model; it serves: {served}")
+        if spec.priority != 0:  # the registry queues in submission order and cannot preempt (no checkpoints)
+            raise InvalidJob(
+                "the Ray engine runs jobs in submission order: leave out priority (or serve with the local"
+                " engine, which preempts by priority)"
+            )
         validator = await self._validator(spec.kind)
         if validator is not None:
             await asyncio.to_thread(self._validate, validator, spec)
