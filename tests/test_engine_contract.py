@@ -396,7 +396,8 @@ def test_a_blocking_result_waits_for_the_end_and_stops_the_job_if_its_client_giv
     job = submit(client, text_job())
     wait_for_step(client, job["id"], 1)
     with pytest.raises(httpx.ReadTimeout):  # the client gives up long before the job could finish
-        client.get(f"/v1/jobs/{job['id']}/result", params={"wait": "true"}, timeout=httpx.Timeout(60, read=0.5))
+        client.get(f"/v1/jobs/{job['id']}/result", params={"wait": "true"},
+                   timeout=httpx.Timeout(60, read=0.5))
     done = done_of(client, job["id"])
     assert (done["state"], done["reason"]) == ("stopped", "disconnected") and within_one_step(done)
     assert client.get("/v1/jobs/not-a-job/result", params={"wait": "true"}).status_code == 404
