@@ -25,8 +25,6 @@ from tiny.text import sliding_window_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# What the child runs: for each case, build the target the way the parent did, load its checkpoint,
-# resume it, and write the output. Only the model and the checkpoint file cross the process boundary.
 # What the child runs: for each case, build the target as the parent did (the same builders, from this
 # module), load its checkpoint, resume it, and write the output. Only the model (rebuilt from the same
 # config and seed, or loaded from the same folder) and the checkpoint file cross the process boundary.
