@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 # (PIP_EXTRA_INDEX_URL) or override TORCH; pyproject.toml itself only asks for torch>=2.1.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test lint bench browser clean
+.PHONY: setup demo test soak lint bench coverage browser clean
 
 setup: $(VENV)/.stamp-setup
 
@@ -23,16 +23,28 @@ demo: setup
 
 test: setup browser
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
-	$(BIN)/ruff check stopcock tests bench tiny
+	$(BIN)/ruff check stopcock tests bench tiny _stopcock_launch.py
 	$(BIN)/mypy
 
+# The reliability suite's longer versions (tests/test_reliability_*.py); prints the figures measured.
+soak: setup
+	HF_HUB_OFFLINE=1 STOPCOCK_SOAK=1 $(BIN)/python -m pytest -q tests/test_reliability_*.py
+
 lint: setup
-	$(BIN)/ruff check stopcock tests bench tiny
-	$(BIN)/ruff format --check stopcock tests bench tiny || true
+	$(BIN)/ruff check stopcock tests bench tiny _stopcock_launch.py
+	$(BIN)/ruff format --check stopcock tests bench tiny _stopcock_launch.py || true
 	$(BIN)/mypy
 
 bench: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m bench
+
+# Stop coverage (not part of `make test`): every generating transformers task on a tiny model, and,
+# with DIFFUSERS_TESTS (the tests folder of a diffusers checkout), every pipeline diffusers' own test
+# fixtures build offline; diffusers' test modules also import parameterized and requests-mock (and
+# its Wan-family pipelines clean prompts with ftfy).
+coverage: setup
+	$(if $(DIFFUSERS_TESTS),$(BIN)/python -m pip install -q parameterized requests-mock ftfy)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.coverage $(if $(DIFFUSERS_TESTS),--diffusers-tests $(DIFFUSERS_TESTS)) $(COVERAGE_ARGS)
 
 # Headless Chromium for the web page's end-to-end test (Debian's package; Playwright's own
 # browser download does not work offline).

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import os
 import sys
 import time
@@ -25,6 +26,8 @@ BENCHMARKS = {
     "latency": "bench.latency",
     "blocks": "bench.blocks",
     "partial": "bench.partial",
+    "resume": "bench.resume",
+    "fastforward": "bench.fastforward",
 }
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "RESULTS.md"
@@ -38,7 +41,13 @@ def run_benchmarks(names: list[str], quick: bool, device: Device | None = None) 
     for name in names:
         start = time.perf_counter()
         print(f"bench: {name} ...", file=sys.stderr, flush=True)
-        sections.append(importlib.import_module(BENCHMARKS[name]).run(quick=quick, device=device or Device()))
+        run = importlib.import_module(BENCHMARKS[name]).run
+        if "device" in inspect.signature(run).parameters:
+            sections.append(run(quick=quick, device=device or Device()))
+        else:  # a CPU-only benchmark
+            if device not in (None, Device()):
+                print(f"bench: {name} runs on the CPU only, not on {device.describe()}", file=sys.stderr)
+            sections.append(run(quick=quick))
         print(f"bench: {name} done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     return sections
 

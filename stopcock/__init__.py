@@ -20,11 +20,13 @@ from .conditions import (
 from .control import Abort
 from .events import Done, Event, Step, TextChunk
 from .outcome import Outcome
+from .pause import PauseSignal
+
+# Eager (they import no heavy library): a lazy name would be shadowed by the submodule once imported.
+from .resume import resume
 from .runner import UnsupportedTarget, run
 from .signal import StopSignal
 from .state import StepState
-
-# Eager (it imports no heavy library): a lazy name would be shadowed by the submodule once imported.
 from .stream import Stream, stream
 
 __version__ = "0.1.0"
@@ -38,6 +40,9 @@ _LAZY = {
     "arun": "stopcock.aio",
     "astream": "stopcock.aio",
     "AsyncStream": "stopcock.aio",
+    "Checkpoint": "stopcock.checkpoint",
+    "CheckpointError": "stopcock.checkpoint",
+    "CheckpointMismatch": "stopcock.checkpoint",
 }
 
 __getattr__ = lazy_names(__name__, _LAZY)
@@ -51,6 +56,7 @@ __all__ = [
     "Done",
     "Event",
     "Outcome",
+    "PauseSignal",
     "Step",
     "StepState",
     "StopSignal",
@@ -59,6 +65,7 @@ __all__ = [
     "UnsupportedTarget",
     "deadline",
     "max_steps",
+    "resume",
     "run",
     "stop_strings",
     "stream",

@@ -1,7 +1,7 @@
-"""``python -m stopcock``: the ``stopcock`` command line (:func:`stopcock.cli.main`)."""
+"""``python -m stopcock``: the ``stopcock`` command line, through the command's own entry point."""
 
 import sys
 
-from stopcock.cli import main
+from _stopcock_launch import main
 
 sys.exit(main())

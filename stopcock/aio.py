@@ -54,7 +54,8 @@ class AsyncStream(RunHandle, AsyncIterator[Event]):
     def __init__(self, channel: Channel, thread: threading.Thread) -> None:
         self._channel = channel
         self._thread = thread
-        self._finalizer = weakref.finalize(self, channel.abandon)
+        # Dropped without aclose(): the run is stopped, without waiting (a finaliser cannot await).
+        self._dropped: weakref.ref[AsyncStream] | None = channel.attach(self, channel.abandon)
 
     def __aiter__(self) -> AsyncStream:
         return self
@@ -89,7 +90,7 @@ class AsyncStream(RunHandle, AsyncIterator[Event]):
         received is raised here. A stream closed before its first iteration never runs (its
         ``outcome`` stays None).
         """
-        self._finalizer.detach()
+        self._dropped = None  # closed here, not when the stream is dropped
         if self._thread.ident is None:  # never started: there is no run to stop
             self._channel.finish(None, None)
         await _abandon(self._channel)

@@ -1,10 +1,13 @@
-"""The ``stopcock`` command line: ``demo``, ``text``, ``image`` (and ``serve``, from :mod:`stopcock.server`).
+"""The ``stopcock`` command line: ``demo``, ``text``, ``image``, ``resume`` (and ``serve``, from
+:mod:`stopcock.server`).
 
 Also ``python -m stopcock`` (and ``python -m stopcock.cli``, which runs this same module's :func:`main`).
 
 Ctrl+C once stops the run gracefully at the next step (the partial result is kept and saved,
 reason ``"interrupted"``); Ctrl+C again abandons it at once, inside the step in flight (see
-:class:`CtrlC`). Exit codes are listed in :data:`EXIT_CODES`.
+:class:`CtrlC`, installed for the whole command; the ``stopcock`` command catches presses even
+earlier, see ``_stopcock_launch``). Exit codes are listed in :data:`EXIT_CODES`; a press at any
+moment honours them, and the JSON of ``--json``.
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ from typing import Any
 from . import __version__
 from .conditions import Condition, from_options
 from .console import INTERRUPTED, CtrlC, Progress, TextEcho
-from .errors import UsageError, UserError
+from .errors import UsageError, UserError, first_line
 from .files import save_png, writable
-from .loading import check_steps, load_image_pipeline, load_text_model, resolve_model
+from .items import run_each
+from .loading import check_steps, import_loaders, load_image_pipeline, load_text_model, resolve_model
 from .outcome import Outcome
 from .previews import latent_preview, previewable
+from .resume import resume
 from .runner import run
 from .signal import StopSignal
 from .types import MODES, PARTIALS, Mode
@@ -51,7 +56,7 @@ EXIT_CODES = {
 
 JSON_SCHEMA = """\
 --json prints one JSON object on stdout when the run ends (nothing else goes to stdout):
-  command        "text" or "image"
+  command        "text", "image" or "resume"
   model          the model folder or hub id used
   stopped        true when a stop took effect
   reason         why it ended: "interrupted", "timeout", "stop_string", "max_steps", ... when
@@ -68,7 +73,9 @@ JSON_SCHEMA = """\
   file           image: the PNG written (null if none), with this object in its "stopcock" text chunk
   image          image: "complete", "partial" (decoded from where it stopped) or "latent preview"
                  (a rough preview of the last latents, no VAE decode: abort mode, second Ctrl+C)
-  seed           image: the seed"""
+  seed           image: the seed
+  checkpoint     image and resume with --checkpoint: the checkpoint file written, or null (completed)
+  resumed        resume: from_step, saved_steps (not recomputed), exact (bit-identical), how"""
 
 
 def _epilog() -> str:
@@ -79,12 +86,13 @@ def _epilog() -> str:
 
 def run_interruptible(
     target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, ctrl_c: CtrlC, conditions: list[Condition],
-    mode: Mode, progress: Progress,
+    mode: Mode, progress: Progress, call: Callable[..., Outcome] = run,
 ) -> Outcome:
-    """``stopcock.run`` with Ctrl+C wired to a stop signal (see :class:`CtrlC`, installed by the caller)."""
+    """``stopcock.run`` (or ``call``, e.g. a resume) with Ctrl+C wired to a stop signal (see
+    :class:`CtrlC`, installed by the caller)."""
     ctrl_c.phase = "running"
     try:
-        return run(target, *args, stop=[ctrl_c.stop, *conditions], mode=mode, on_step=progress, **kwargs)
+        return call(target, *args, stop=[ctrl_c.stop, *conditions], mode=mode, on_step=progress, **kwargs)
     except KeyboardInterrupt:
         if ctrl_c.presses < 2:
             raise
@@ -92,6 +100,22 @@ def run_interruptible(
     finally:
         ctrl_c.phase = "ended"
         progress.close()
+
+
+def each_prompt(
+    prompts: list[str], ctrl_c: CtrlC, one: Callable[[str], tuple[Outcome, dict[str, Any]]]
+) -> tuple[Outcome, list[dict[str, Any]]]:
+    """``one(prompt)`` for each prompt while the signals allow (:func:`stopcock.items.run_each`): the
+    whole sequence's Outcome, and each run's fields for the report."""
+    fields: list[dict[str, Any]] = []
+
+    def run_one(prompt: str) -> Outcome:
+        outcome, extra = one(prompt)
+        fields.append({"prompt": prompt, **outcome.summary(), **extra})
+        return outcome
+
+    _, overall = run_each(ctrl_c.stop, prompts, run_one)
+    return overall, fields
 
 
 def abandoned(progress: Progress, stop: StopSignal) -> Outcome:
@@ -113,6 +137,20 @@ def not_started(mode: Mode, started: float) -> Outcome:
     """The Outcome of a command interrupted by Ctrl+C before its run began (loading the model)."""
     return Outcome.without_output(None, reason=INTERRUPTED, elapsed=time.monotonic() - started, mode=mode,
                                   detail="Ctrl+C while loading the model: nothing was generated")
+
+
+def load_model(ctrl_c: CtrlC, kind: str, spec: str, *, quiet: bool) -> Any:
+    """The ``kind`` model ``spec`` (text: model and tokenizer), with Ctrl+C ending the load at once.
+
+    The libraries are imported first, while a press is only recorded (an import cut short can
+    leave a library unusable in this process). ``KeyboardInterrupt`` if Ctrl+C came before or
+    during the load.
+    """
+    if not ctrl_c.stop.stopped:  # pressed already: the command ends without them
+        import_loaders(kind, quiet=quiet)
+    load = load_text_model if kind == "text" else load_image_pipeline
+    with ctrl_c.interruptible():
+        return load(spec, quiet=quiet)
 
 
 # -- reporting ---------------------------------------------------------------------------------------
@@ -152,20 +190,41 @@ def _progress_style(args: argparse.Namespace, echoing: bool) -> str:
 # -- commands ----------------------------------------------------------------------------------------
 
 
-def cmd_text(args: argparse.Namespace) -> int:
-    started = time.monotonic()
-    model_spec = resolve_model(args.model, "text")
-    with CtrlC().installed() as ctrl_c:
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    """The prompts: each ``--prompt``, then the lines of ``--prompts FILE`` (empty lines skipped)."""
+    prompts = list(args.prompt or ())
+    if args.prompts is not None:
         try:
-            model, tokenizer = load_text_model(model_spec, quiet=args.model is None)
-            inputs = tokenizer(args.prompt, return_tensors="pt")
-        except KeyboardInterrupt:
-            fields = {"command": "text", "model": model_spec, "text": ""}
-            return report(not_started(args.mode, started), fields, as_json=args.json, unit="token")
-        prompt_length = inputs["input_ids"].shape[1]
-        if prompt_length == 0:
-            raise UsageError(f"--prompt {args.prompt!r} is no tokens for this model's tokenizer: give some"
+            text = Path(args.prompts).read_text(encoding="utf-8")
+        except (OSError, UnicodeError) as exc:
+            raise UsageError(f"--prompts {args.prompts}: cannot read it ({first_line(exc)})") from None
+        prompts += [line for line in text.splitlines() if line.strip()]
+        if len(prompts) == len(args.prompt or ()):
+            raise UsageError(f"--prompts {args.prompts} holds no prompt: write one per line")
+    if not prompts:
+        raise UsageError("give a prompt: --prompt TEXT (repeatable) or --prompts FILE (one per line)")
+    return prompts
+
+
+def cmd_text(args: argparse.Namespace, ctrl_c: CtrlC) -> int:
+    started = time.monotonic()
+    prompts = read_prompts(args)
+    model_spec = resolve_model(args.model, "text")
+    try:
+        model, tokenizer = load_model(ctrl_c, "text", model_spec, quiet=args.model is None)
+    except KeyboardInterrupt:
+        ctrl_c.phase = "ended"
+        fields = {"command": "text", "model": model_spec, "text": ""}
+        return report(not_started(args.mode, started), fields, as_json=args.json, unit="token")
+    encoded = [tokenizer(prompt, return_tensors="pt") for prompt in prompts]
+    for prompt, inputs in zip(prompts, encoded, strict=True):
+        if inputs["input_ids"].shape[1] == 0:
+            raise UsageError(f"--prompt {prompt!r} is no tokens for this model's tokenizer: give some"
                              " text")
+    tokenized = iter(encoded)
+
+    def one(prompt: str) -> tuple[Outcome, dict[str, Any]]:
+        inputs = next(tokenized)
         echo = None if args.json else TextEcho(tokenizer, sys.stdout)
         progress = Progress(_progress_style(args, echoing=echo is not None), unit="token", echo=echo)
         outcome = run_interruptible(
@@ -175,9 +234,16 @@ def cmd_text(args: argparse.Namespace) -> int:
         if echo is not None:
             echo.finish()
         ids = outcome.output if outcome.output is not None else outcome.extra.get("input_ids")
+        prompt_length = inputs["input_ids"].shape[1]
         text = "" if ids is None else tokenizer.decode(ids[0, prompt_length:], skip_special_tokens=True)
-        return report(outcome, {"command": "text", "model": model_spec, "text": text}, as_json=args.json,
-                      unit="token")
+        return outcome, {"text": text}
+
+    head = {"command": "text", "model": model_spec}
+    if len(prompts) == 1:
+        outcome, fields = one(prompts[0])
+        return report(outcome, {**head, **fields}, as_json=args.json, unit="token")
+    overall, items = each_prompt(prompts, ctrl_c, one)
+    return report(overall, {**head, "items": items}, as_json=args.json, unit="token")
 
 
 def image_of(outcome: Outcome) -> tuple[Any, str | None]:
@@ -192,38 +258,131 @@ def image_of(outcome: Outcome) -> tuple[Any, str | None]:
     return latent_preview(outcome.latents), "latent preview"
 
 
-def cmd_image(args: argparse.Namespace) -> int:
+def numbered(out: Path, index: int, count: int) -> Path:
+    """The PNG of prompt ``index`` (from 1): ``out`` itself for one prompt, else ``out-<index>``."""
+    return out if count == 1 else out.with_name(f"{out.stem}-{index}{out.suffix}")
+
+
+def save_image(outcome: Outcome, out: Path, run: dict[str, Any], *, quiet: bool,
+               checkpoint: Path | None = None, notes: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Save the run's image, with the Outcome and ``run`` (prompt, model, seed) in its metadata, and,
+    when it stopped, its checkpoint to ``checkpoint`` (with ``notes`` for ``stopcock resume``).
+    Returns what the report adds: the file, what the image is, and the checkpoint's file."""
+    image, kind = image_of(outcome)
+    fields: dict[str, Any] = {"file": None if image is None else str(out), "image": kind}
+    if checkpoint is not None:
+        fields["checkpoint"] = save_checkpoint(outcome, checkpoint, {**run, **(notes or {}), "out": str(out)},
+                                               quiet=quiet)
+    if image is not None:
+        save_png(image, out, {**outcome.summary(), "exit_code": exit_code(outcome), "image": kind, **run})
+    if not quiet:
+        saved = f"saved the {kind} image to {out}" if image is not None else "no image to save"
+        print(f"stopcock: {saved}", file=sys.stderr)
+    return fields
+
+
+def cmd_image(args: argparse.Namespace, ctrl_c: CtrlC) -> int:
     import torch
 
     started = time.monotonic()
+    prompts = read_prompts(args)
     model_spec = resolve_model(args.model, "image")
-    out = writable(Path(args.out))
-    with CtrlC().installed() as ctrl_c:
-        try:
-            pipe = load_image_pipeline(model_spec, quiet=args.model is None)
-        except KeyboardInterrupt:
-            return report(not_started(args.mode, started), {"command": "image", "model": model_spec,
-                                                            "file": None, "image": None, "seed": args.seed},
-                          as_json=args.json, unit="step")
-        check_steps(pipe, args.steps)
-        progress = Progress(_progress_style(args, echoing=False))
+    outs = [writable(numbered(Path(args.out), i, len(prompts))) for i in range(1, len(prompts) + 1)]
+    checkpoint = None if args.checkpoint is None else writable(Path(args.checkpoint), "--checkpoint")
+    if checkpoint is not None and len(prompts) > 1:
+        raise UsageError("--checkpoint saves the checkpoint of one run: give one prompt")
+    try:
+        pipe = load_model(ctrl_c, "image", model_spec, quiet=args.model is None)
+    except KeyboardInterrupt:
+        ctrl_c.phase = "ended"
+        return report(not_started(args.mode, started), {"command": "image", "model": model_spec,
+                                                        "file": None, "image": None, "seed": args.seed},
+                      as_json=args.json, unit="step")
+    check_steps(pipe, args.steps)
+    files = iter(outs)
+
+    def one(prompt: str) -> tuple[Outcome, dict[str, Any]]:
+        out = next(files)
         kwargs: dict[str, Any] = {
             "num_inference_steps": args.steps,
-            "generator": torch.Generator("cpu").manual_seed(args.seed),
+            "generator": torch.Generator("cpu").manual_seed(args.seed),  # the same seed for each prompt
             "partial": args.partial,
+            "checkpoint": checkpoint is not None,
         }
-        outcome = run_interruptible(pipe, (args.prompt,), kwargs, ctrl_c=ctrl_c, conditions=_conditions(args),
+        progress = Progress(_progress_style(args, echoing=False))
+        outcome = run_interruptible(pipe, (prompt,), kwargs, ctrl_c=ctrl_c, conditions=_conditions(args),
                                     mode=args.mode, progress=progress)
-        image, kind = image_of(outcome)
-        fields = {"command": "image", "model": model_spec, "file": None if image is None else str(out),
-                  "image": kind, "seed": args.seed}
-        if image is not None:
-            save_png(image, out, {**outcome.summary(), "exit_code": exit_code(outcome), "image": kind,
-                                  "prompt": args.prompt, "model": model_spec, "seed": args.seed})
-        if not args.json:
-            saved = f"saved the {kind} image to {out}" if image is not None else "no image to save"
-            print(f"stopcock: {saved}", file=sys.stderr)
-        return report(outcome, fields, as_json=args.json, unit="step")
+        run_info = {"prompt": prompt, "model": model_spec, "seed": args.seed}
+        return outcome, save_image(outcome, out, run_info, quiet=args.json, checkpoint=checkpoint,
+                                   notes={"partial": args.partial})
+
+    head = {"command": "image", "model": model_spec}
+    if len(prompts) == 1:
+        outcome, fields = one(prompts[0])
+        return report(outcome, {**head, **fields, "seed": args.seed}, as_json=args.json, unit="step")
+    overall, items = each_prompt(prompts, ctrl_c, one)
+    return report(overall, {**head, "items": items, "seed": args.seed}, as_json=args.json, unit="step")
+
+
+def save_checkpoint(outcome: Outcome, path: Path, run: dict[str, Any], *, quiet: bool) -> str | None:
+    """Save a stopped run's checkpoint with what ``stopcock resume`` needs (``run``: model, prompt,
+    seed, output file); returns the path, or None when there is nothing to resume."""
+    checkpoint = outcome.checkpoint
+    if not outcome.stopped or checkpoint is None:
+        if not quiet and outcome.stopped:
+            print("stopcock: no checkpoint: the run was abandoned inside a step", file=sys.stderr)
+        return None
+    checkpoint.notes["cli"] = {"command": "image", **run}
+    checkpoint.save(path)
+    if not quiet:
+        print(f"stopcock: saved a checkpoint at step {checkpoint.steps} to {path}: `stopcock resume {path}`"
+              " finishes it", file=sys.stderr)
+    return str(path)
+
+
+def cmd_resume(args: argparse.Namespace, ctrl_c: CtrlC) -> int:
+    """Finish the image of a checkpoint saved by ``stopcock image --checkpoint FILE``, by replay: the
+    same image as an uninterrupted run. Stopped again (Ctrl+C once), it saves a new checkpoint."""
+    from .checkpoint import Checkpoint, CheckpointError
+
+    started = time.monotonic()
+    try:
+        checkpoint = Checkpoint.load(args.file)
+    except (CheckpointError, OSError) as exc:
+        raise UserError(f"cannot resume {args.file}: {exc}") from None
+    if checkpoint.kind != "diffusers":
+        raise UsageError(f"{args.file} is a {checkpoint.describe()}: stopcock resume finishes images;"
+                         " resume it in Python: stopcock.resume(model, stopcock.Checkpoint.load(path))")
+    saved = dict(checkpoint.notes.get("cli") or {})
+    if args.model is None and "model" not in saved:
+        raise UsageError(f"{args.file} was not saved by `stopcock image`: name its model with --model")
+    model_spec = resolve_model(args.model or saved["model"], "image")
+    out = writable(Path(args.out or saved.get("out") or "stopcock.png"))
+    again = writable(Path(args.checkpoint or args.file), "--checkpoint")
+    run_info = {"prompt": saved.get("prompt"), "model": model_spec, "seed": saved.get("seed")}
+    head = {"command": "resume", "model": model_spec}
+    try:
+        pipe = load_model(ctrl_c, "image", model_spec, quiet=args.model is None)
+    except KeyboardInterrupt:
+        ctrl_c.phase = "ended"
+        return report(not_started(args.mode, started), {**head, "file": None, "image": None,
+                                                        "seed": run_info["seed"]},
+                      as_json=args.json, unit="step")
+    progress = Progress(_progress_style(args, echoing=False))
+
+    def resumed(target: Any, **options: Any) -> Outcome:
+        return resume(target, checkpoint, record=True, **options)
+
+    partial = args.partial or saved.get("partial")
+    try:
+        outcome = run_interruptible(pipe, (), {"partial": partial}, ctrl_c=ctrl_c,
+                                    conditions=_conditions(args), mode=args.mode, progress=progress,
+                                    call=resumed)
+    except CheckpointError as exc:
+        raise UserError(f"cannot resume {args.file} with {model_spec}: {exc}") from None
+    fields = save_image(outcome, out, run_info, quiet=args.json, checkpoint=again,
+                        notes={"partial": partial})
+    return report(outcome, {**head, **fields, "seed": run_info["seed"]}, as_json=args.json, unit="step")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -264,7 +423,9 @@ def _stop_string(text: str) -> str:
 def _add_common(p: argparse.ArgumentParser, model_kind: str) -> None:
     p.add_argument("--model", metavar="PATH_OR_ID",
                    help=f"a local folder or a hub id (default: the built-in demo {model_kind} model)")
-    p.add_argument("--prompt", required=True, help="the prompt")
+    p.add_argument("--prompt", action="append", metavar="TEXT",
+                   help="the prompt; repeat it for several, run one after the other")
+    p.add_argument("--prompts", metavar="FILE", help="more prompts, one per line")
     p.add_argument("--timeout", type=_SECONDS, metavar="S", help="stop after S seconds")
     p.add_argument("--mode", choices=MODES, default="finish",
                    help="finish: end at the next step with the partial result (default); abort: abandon "
@@ -309,7 +470,26 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a stopped image shows the model's estimate of the clean image (denoised,"
                             " default) or the noisy latents as they were (raw)")
     image.add_argument("--seed", type=_SEED, default=0, metavar="N", help="default 0")
+    image.add_argument("--checkpoint", metavar="FILE",
+                       help="when the run is stopped (Ctrl+C once, --timeout, --stop-at-step), save a"
+                            " checkpoint there: `stopcock resume FILE` finishes the image exactly")
     image.set_defaults(func=cmd_image)
+
+    resumed = sub.add_parser("resume", help="finish an image from the checkpoint of `stopcock image"
+                             " --checkpoint`", epilog=f"{_epilog()}\n\n{JSON_SCHEMA}", formatter_class=fmt)
+    resumed.add_argument("file", metavar="FILE", help="the checkpoint")
+    resumed.add_argument("--model", metavar="PATH_OR_ID", help="the model (default: the checkpoint's)")
+    resumed.add_argument("--out", metavar="FILE", help="the PNG (default: the stopped run's --out)")
+    resumed.add_argument("--checkpoint", metavar="FILE",
+                         help="where a resume stopped again saves its checkpoint (default: FILE)")
+    resumed.add_argument("--timeout", type=_SECONDS, metavar="S", help="stop after S seconds")
+    resumed.add_argument("--stop-at-step", type=_STEP, metavar="K", help="stop after step K of the run")
+    resumed.add_argument("--partial", choices=PARTIALS, help="what a stopped image shows")
+    resumed.add_argument("--mode", choices=MODES, default="finish", help="finish (default) or abort")
+    resumed.add_argument("--json", action="store_true", help="print the Outcome as one JSON object")
+    resumed.add_argument("--progress", choices=("auto", "bar", "lines", "none"), default="auto",
+                         help="progress on stderr (auto: a bar on a terminal)")
+    resumed.set_defaults(func=cmd_resume)
 
     from .server.serve import add_parser as add_serve_parser  # owned by the server; cheap to import
 
@@ -322,25 +502,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help(sys.stderr)
-        return EXIT_USAGE
-    try:
-        return int(args.func(args))
-    except UserError as exc:
-        print(f"stopcock: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print("stopcock: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    """Run the command line; Ctrl+C is handled from here to the return (see :class:`CtrlC`)."""
+    ctrl_c = CtrlC()
+    with ctrl_c.installed():
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help(sys.stderr)
+            return EXIT_USAGE
+        try:
+            if args.func in (cmd_text, cmd_image, cmd_resume):  # they handle Ctrl+C by phase (see CtrlC)
+                return int(args.func(args, ctrl_c))
+            with ctrl_c.interruptible():  # demo, serve, check: Ctrl+C ends them at once
+                return int(args.func(args))
+        except UserError as exc:
+            print(f"stopcock: error: {exc}", file=sys.stderr)
+            return exc.exit_code
+        except KeyboardInterrupt:
+            print("stopcock: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":
     # ``python -m stopcock.cli`` runs this file as ``__main__``, a second copy of the module beside the
-    # ``stopcock.cli`` that the rest of the package imports: run the real one's main, so that one copy
-    # of its state is in play.
-    from stopcock.cli import main as package_main
+    # ``stopcock.cli`` that the rest of the package imports: run the real one's main (through the
+    # command's entry point, as ``stopcock`` does), so that one copy of its state is in play.
+    from _stopcock_launch import main as launch
 
-    sys.exit(package_main())
+    sys.exit(launch())

@@ -17,9 +17,10 @@ from .events import RowDecoder
 from .signal import StopSignal
 from .state import StepState
 
-__all__ = ["INTERRUPTED", "CtrlC", "Progress", "TextEcho", "say"]
+__all__ = ["AFTER_ITEM", "INTERRUPTED", "CtrlC", "Progress", "TextEcho", "say"]
 
 INTERRUPTED = "interrupted"
+AFTER_ITEM = "after_item"  # the reason of a stop after the current prompt (SIGUSR2)
 
 
 class Progress:
@@ -91,8 +92,13 @@ class TextEcho:
 class CtrlC:
     """SIGINT handling for one command (main thread only), by the phase it is in.
 
-    ``"loading"`` (before the run): ``KeyboardInterrupt`` at once; there is nothing to keep, and the
-    command reports that it was interrupted at step 0.
+    ``"starting"`` (imports, arguments, everything outside the phases below): a press stops
+    ``stop`` (reason ``"interrupted"``) and is acknowledged, nothing is raised: an import cut short
+    by ``KeyboardInterrupt`` can leave a library unusable for the rest of the process. The command
+    then ends before its run, or its run stops before its first step, and says so (exit 130, the
+    JSON with ``--json``).
+    ``"interruptible"`` (inside :meth:`interruptible`: loading the model, the demo, the server):
+    ``KeyboardInterrupt`` at once; there is nothing to keep.
     ``"running"``: the first press calls ``stop.stop("interrupted")``. The run is in finish mode, so it
     ends at the next step boundary and the library builds its normal (partial) output, which the CLI
     saves. The second press raises ``KeyboardInterrupt`` from the handler. A run started in finish
@@ -100,42 +106,82 @@ class CtrlC:
     wherever the main thread is (inside the model forward, or in the VAE decode); the adapters'
     cleanup runs on the way out. The CLI then reports mode "abort" with what the last finished step
     produced.
-    ``"ended"`` (saving and reporting the result): a press is acknowledged and otherwise ignored, so
-    the saved file and the JSON are never cut off half-written.
-    Presses during the run and after it write a line to stderr at once.
+    ``"ended"`` (saving and reporting the result): a press is acknowledged, and only stops the
+    prompts not started yet, so the saved file and the JSON are never cut off half-written.
+    The handler raises ``KeyboardInterrupt`` once at most: it moves to ``"ended"`` as it raises, so
+    the command unwinds and reports whatever else is pressed. Every press is acknowledged on stderr
+    at once. Presses counted by the handler this one replaces (``stopcock``'s first one, see
+    ``_stopcock_launch``) count as presses while starting. With several prompts, SIGUSR1 skips the
+    current one and SIGUSR2 lets it finish and starts no other (both also work with one prompt: a
+    skip ends its run).
     """
 
     def __init__(self) -> None:
         self.stop = StopSignal()
-        self.presses = 0  # during the run
-        self.phase = "loading"
+        self.presses = 0
+        self.phase = "starting"
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
-        if self.phase == "loading":
-            raise KeyboardInterrupt
+        self.presses += 1
+        first = self.stop.stop(INTERRUPTED)  # in every phase: with several prompts, no other one starts
         if self.phase == "ended":
             say("\nstopcock: the run has ended: saving and reporting its result first\n")
             return
-        self.presses += 1
-        if self.presses == 1:
-            self.stop.stop(INTERRUPTED)
+        if self.phase == "starting":
+            say("\nstopcock: interrupted: ending before the run starts\n")
+            return
+        if self.phase == "running" and first:
             say("\nstopcock: interrupted: stopping at the next step and keeping the partial result"
                 " (Ctrl+C again to abort now)\n")
             return
-        say("\nstopcock: aborting now\n")
+        say("\nstopcock: aborting now\n" if self.phase == "running" else "\nstopcock: interrupted\n")
+        self.phase = "ended"
         raise KeyboardInterrupt
+
+    def skip(self, signum: int, frame: FrameType | None) -> None:
+        """SIGUSR1: end the current prompt and go on with the next (a single prompt: end the run)."""
+        self.stop.skip()
+        say("\nstopcock: skipping the current prompt\n")
+
+    def stop_after_item(self, signum: int, frame: FrameType | None) -> None:
+        """SIGUSR2: let the current prompt finish, then start no other."""
+        self.stop.stop_after_item(AFTER_ITEM)
+        say("\nstopcock: stopping once the current prompt is done\n")
+
+    @contextlib.contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """A press within the block raises ``KeyboardInterrupt`` at once; so does entering it after one."""
+        self.phase = "interruptible"
+        try:
+            if self.stop.stopped:
+                raise KeyboardInterrupt
+            yield
+        finally:
+            if self.phase == "interruptible":
+                self.phase = "starting"
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[CtrlC]:
-        """Handle SIGINT while the block runs; a no-op off the main thread (Python delivers signals there)."""
+        """Handle SIGINT (and, where they exist, SIGUSR1: skip, SIGUSR2: stop after the current prompt)
+        while the block runs; a no-op off the main thread (Python delivers signals there). SIGINT is
+        left alone where it is ignored (a command started in the background keeps ignoring it)."""
         if threading.current_thread() is not threading.main_thread():
             yield self
             return
-        previous = signal.signal(signal.SIGINT, self)
+        handlers: dict[int, Callable[[int, FrameType | None], None]] = {}
+        if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+            handlers[signal.SIGINT] = self
+        for name, handler in (("SIGUSR1", self.skip), ("SIGUSR2", self.stop_after_item)):
+            if hasattr(signal, name):
+                handlers[getattr(signal, name)] = handler
+        previous: dict[int, Any] = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
+        for _ in range(getattr(previous.get(signal.SIGINT), "presses", 0)):  # read once it can count no more
+            self(signal.SIGINT, None)
         try:
             yield self
         finally:
-            signal.signal(signal.SIGINT, previous)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
 
 
 def say(message: str) -> None:

@@ -2,7 +2,9 @@
 
 A :class:`RunControl` binds the user's ``stop=`` to one run: it owns the run's own token, links
 the user's signals to it so a stop lands at once, counts steps, evaluates the conditions at each
-check, raises :class:`Abort` in abort mode, and builds the :class:`Outcome`.
+check, raises :class:`Abort` in abort mode, and builds the :class:`Outcome`. For runs over several
+items (:mod:`stopcock.items`) it also marks the item boundaries, where ``skip()`` and
+``stop_after_item()`` of the user's signals take effect.
 
 **Zero cost until stopped.** What can stop a run is known when it starts (:class:`Watch`): its
 signals, the moments its timeouts and deadlines expire, the step its ``max_steps`` ends at. While
@@ -141,21 +143,37 @@ class RunControl:
         )
         self.escalate_after = _grace(escalate_after, self.mode)
         self.condition: Condition | None = None if stop is None else as_condition(stop)
-        self.on_step = on_step
+        self.watch = Watch.of(self.condition)
+        self.on_step = on_step  # (sets whether quiet steps may take the fast path)
+        # the user's signals whose skip() and stop_after_item() this run follows
+        self._followed = tuple(c.signal for c in top_level(self.condition) if isinstance(c, Signalled))
+        self._skip_base = 0  # skip() calls seen when the current item began
+        self._in_items = False  # the run goes item by item (start_item was called)
+        self.skipping = False  # the current item is being skipped
+        self.item_reasons: list[str] | None = None
         self.token = StopSignal()
         self.steps = 0
         self.total: int | None = None
         self.seen = False
         self.escalated: float | None = None  # seconds from the stop request to the escalation
-        self.watch = Watch.of(self.condition)
         self._signals = (self.token, *self.watch.signals)
-        self._may_skip = on_step is None and not self.watch.every_step
         self._unlink: list[Callable[[], None]] = []
         self._ended: float | None = None
         self._wires: list[tuple[Tripwire, bool]] = []  # (tripwire, armed as abort mode arms it)
         self._lock = threading.RLock()  # re-entrant: stop() may run in a signal handler
         self._alarm: _Alarm | None = None
         self._start()
+
+    @property
+    def on_step(self) -> Callable[[StepState], object] | None:
+        """Called with each step's state; while one is set (it may be set after the control is
+        built: a recorder routes the steps through its own), every step makes the full check."""
+        return self._on_step
+
+    @on_step.setter
+    def on_step(self, fn: Callable[[StepState], object] | None) -> None:
+        self._on_step = fn
+        self._unwatched = fn is None and not self.watch.every_step  # quiet steps may take the fast path
 
     def _start(self) -> None:
         self.started = time.monotonic()
@@ -168,6 +186,7 @@ class RunControl:
     # -- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> RunControl:
         self._start()
+        self._skip_base = self._skips()
         for leaf in top_level(self.condition):
             if isinstance(leaf, Signalled):
                 self._unlink.append(leaf.signal.on_stop(self._forward(leaf.signal)))
@@ -216,7 +235,13 @@ class RunControl:
         Otherwise return False and record nothing: the caller makes the full :meth:`step`. A
         ``stop()`` that has returned is seen here; one racing with this call is seen at the next step.
         """
-        if self._may_skip and steps < self.watch.max_steps and self._quiet():
+        if (
+            self._unwatched
+            and steps < self.watch.max_steps
+            and self._quiet()
+            and not self.skipping
+            and not self._skip_called()
+        ):
             self.steps = steps
             return True
         return False
@@ -232,19 +257,76 @@ class RunControl:
         return self.seen
 
     def step(self, steps: int | None = None, **tensors: Any) -> bool:
-        """A step boundary: record progress (``steps`` done, default one more), report it, check."""
+        """A step boundary: record progress (``steps`` done, default one more), report it, check.
+
+        ``on_step`` runs before the check, so a stop (or a skip) it makes ends this very step.
+        """
         self.steps = self.steps + 1 if steps is None else steps
         state = self.state(**tensors)
-        stop = self.should_stop(state)
         if self.on_step is not None:
             self.on_step(state)
-        return stop
+        return self.should_stop(state) or self._skip_seen()
 
     def check(self, **tensors: Any) -> bool:
         """A check with no new step done (e.g. before the first step)."""
-        if self._may_skip and self.steps < self.watch.max_steps and self._quiet():
+        if self._unwatched and self.steps < self.watch.max_steps and self._quiet():
             return False
         return self.should_stop(self.state(**tensors))
+
+    # -- items ---------------------------------------------------------------------------------------
+    def _skips(self) -> int:
+        return sum(signal.skips for signal in self._followed)
+
+    def _skip_called(self) -> bool:
+        """Whether ``skip()`` was called since the current item began (the usual case, one signal
+        and no skip, reads one counter)."""
+        signals = self._followed
+        if not signals:
+            return False
+        count = signals[0].skips if len(signals) == 1 else self._skips()
+        return count != self._skip_base
+
+    def _skip_seen(self) -> bool:
+        """Whether ``skip()`` was called since the current item began: it ends that item, or, in a
+        run that is not item by item, the run (reason ``"skipped"``). Checked at every step."""
+        if self.skipping:
+            return True
+        if not self._skip_called():
+            return False
+        if self._in_items:
+            self.skipping = True
+        else:
+            self.token.stop("skipped")
+            self.seen = True
+        return True
+
+    def start_item(self) -> bool:
+        """Before each item of a run that goes item by item: whether it may start.
+
+        It may not once the run is stopped, or once a signal asked to stop after the current item
+        (the run then stops with that reason).
+        """
+        self._in_items = True
+        if not self.token.stopped:
+            reason = next((s.after_item for s in self._followed if s.after_item is not None), None)
+            if reason is not None:
+                self.token.stop(reason)
+        if self.check():
+            return False
+        self._skip_base, self.skipping = self._skips(), False
+        return True
+
+    def end_item(self, count: int = 1) -> None:
+        """The current item (or the ``count`` items of a batch) ended: record why in ``item_reasons``:
+        ``"skipped"``, the stop reason when a stop cut it short, else ``"completed"``."""
+        if self.skipping:
+            reason = "skipped"
+        elif self.seen and self.token.reason is not None:
+            reason = self.token.reason
+        else:
+            reason = "completed"
+        self.item_reasons = [*(self.item_reasons or ()), *[reason] * count]
+        self.skipping = False
 
     def poll(self) -> None:
         """A check inside a model forward: in abort mode raise :class:`Abort` if stopped.
@@ -375,6 +457,7 @@ class RunControl:
                 f" escalated to abort after {self.escalated:.3f} s"
             )
             fields["detail"] = "; ".join(filter(None, [note, fields.get("detail")]))
+        fields.setdefault("item_reasons", self.item_reasons)
         return Outcome(
             stopped=stopped,
             reason=reason,  # type: ignore[arg-type]

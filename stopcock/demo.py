@@ -24,6 +24,9 @@ IMAGE_STEPS = 20
 STOP_AT = 8
 SEED = 0
 PROMPT_IMAGE = "7"  # the demo image model draws the digit it is asked for
+#: Torch threads for the demo: its models are tiny, so a step is a few small matrix products and
+#: more threads only add synchronisation (on a busy machine, many times slower).
+DEMO_THREADS = 1
 
 
 class Demo:
@@ -130,8 +133,11 @@ def side_by_side(panels: list[tuple[str, Any]], scale: int = 8) -> Any:
 
 def run_demo(out: Path) -> int:
     """Run the whole demo; 0 if every run ended as it must, else 1."""
+    import torch
+
     writable(out)  # a bad --out fails now, not after the runs
-    print("stopcock demo: every stop path, offline, on tiny models")
+    torch.set_num_threads(DEMO_THREADS)
+    print(f"stopcock demo: every stop path, offline, on tiny models (torch threads: {DEMO_THREADS})")
     for kind, description in DESCRIPTIONS.items():
         print(f"  {kind} model: {description}")
     demo = Demo()

@@ -16,7 +16,7 @@ from typing import Any
 
 from .errors import UsageError, UserError, first_line
 
-__all__ = ["check_steps", "load_image_pipeline", "load_text_model", "resolve_model"]
+__all__ = ["check_steps", "import_loaders", "load_image_pipeline", "load_text_model", "resolve_model"]
 
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 
@@ -77,6 +77,18 @@ def _load_error(spec: str, exc: BaseException) -> str:
         else "pass a local folder, or check the id and that this machine reaches the Hugging Face Hub"
     )
     return f"{spec!r} is not a local folder and could not be loaded as a hub id ({hint}): {line}"
+
+
+def import_loaders(kind: str, *, quiet: bool = False) -> None:
+    """Import what loading a ``kind`` ("text" or "image") model imports, without loading one: the CLI
+    does it while Ctrl+C is only recorded, and loads while Ctrl+C ends the load at once."""
+    if quiet:
+        import diffusers.utils.logging  # noqa: F401 - the libraries _quiet_libraries silences
+        import transformers.utils.logging  # noqa: F401
+    if kind == "text":
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+    else:
+        from diffusers import DiffusionPipeline  # noqa: F401
 
 
 def load_text_model(spec: str, *, quiet: bool = False) -> tuple[Any, Any]:

@@ -20,7 +20,14 @@ class Outcome:
     when the stop took effect, i.e. a check saw it before the run ended; a stop that arrives after
     the last check changes nothing. ``stop_latency`` is measured from the stop request (or from the
     start of the run, if the request came earlier) to the return. ``mode`` is the mode actually
-    used, which can differ from the one asked for (``detail`` then says why).
+    used, which can differ from the one asked for (``detail`` then says why). ``item_reasons``
+    (runs over several inputs) says how each item that started ended: ``"completed"``,
+    ``"skipped"`` or the stop reason; items that never started are not listed.
+
+    ``checkpoint`` is set by ``run(..., checkpoint=True)``: what ``stopcock.resume`` needs to continue
+    the run. ``resumed`` is set on the Outcome of a resumed run: ``from_step`` (the checkpoint's step),
+    ``saved_steps`` (steps not recomputed), ``exact`` (whether the output is guaranteed bit-identical
+    to the run never stopped) and ``how`` (``"replay"``, ``"cache"`` or ``"recompute"``).
     """
 
     stopped: bool
@@ -36,6 +43,9 @@ class Outcome:
     row_reasons: list[str] | None = None
     detail: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    item_reasons: list[str] | None = None
+    checkpoint: Any = None
+    resumed: dict[str, Any] | None = None
 
     @classmethod
     def without_output(
@@ -83,7 +93,7 @@ class Outcome:
         return f"{text}. {self.detail}" if self.detail else text
 
     def summary(self) -> dict[str, Any]:
-        """The JSON-serialisable fields (everything but ``output``, ``latents`` and ``extra``)."""
+        """The JSON-serialisable fields (all but ``output``, ``latents``, ``extra`` and ``checkpoint``)."""
         return {
             "stopped": self.stopped,
             "reason": self.reason,
@@ -94,5 +104,7 @@ class Outcome:
             "mode": self.mode,
             "partial": self.partial,
             "row_reasons": self.row_reasons,
+            "item_reasons": self.item_reasons,
             "detail": self.detail,
+            "resumed": self.resumed,
         }

@@ -1,29 +1,46 @@
 """``run()``: the one entry point. Resolves the target's adapter once, binds the stop machinery, runs.
 
-``run(target, *args, stop=, mode=, escalate_after=, on_step=, adapter=, kwargs=, **target_kwargs)``:
-the keyword arguments that are not ``run()``'s own go to the target, except the options of its adapter (such
-as diffusers' ``partial=``). A target argument whose name ``run()`` or an adapter uses itself
-(WanAnimatePipeline's own ``mode``) goes in the explicit ``kwargs=`` mapping, which reaches the
-target unchanged.
+``run(target, *args, stop=, mode=, escalate_after=, on_step=, adapter=, kwargs=, checkpoint=,
+**target_kwargs)``: the keyword arguments that are not ``run()``'s own go to the target, except the
+options of its adapter (such as diffusers' ``partial=``). A target argument whose name ``run()`` or
+an adapter uses itself (WanAnimatePipeline's own ``mode``) goes in the explicit ``kwargs=`` mapping,
+which reaches the target unchanged.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from .adapters import REGISTRY, Adapter, UnsupportedTarget, resolve
+from .adapters.base import Resumable
 from .conditions import StopLike
 from .control import RunControl
 from .outcome import Outcome
+from .pause import holding
 from .state import StepState
 from .types import Mode
 
-__all__ = ["RUN_OPTIONS", "Bound", "UnsupportedTarget", "bind", "run"]
+__all__ = ["RUN_OPTIONS", "Bound", "UnsupportedTarget", "bind", "resumable", "run", "running"]
 
 #: ``run()``'s own keyword arguments besides ``stop=``, which the streams pass through to it.
-RUN_OPTIONS = ("mode", "escalate_after", "on_step", "adapter", "kwargs")
+RUN_OPTIONS = ("mode", "escalate_after", "on_step", "adapter", "kwargs", "checkpoint")
+
+
+def resumable(adapter: Adapter) -> Resumable:
+    """``adapter`` as one that can checkpoint and resume runs; a TypeError if it cannot."""
+    if not (callable(getattr(adapter, "record", None)) and callable(getattr(adapter, "resume", None))):
+        raise TypeError(f"the {adapter.name} adapter cannot checkpoint or resume a run (no record/resume)")
+    return adapter  # type: ignore[return-value]
+
+
+@contextmanager
+def running(control: RunControl, target: Any) -> Iterator[RunControl]:
+    """The span of one run: its control entered, and its pause signals bound to it."""
+    with control, holding(control.condition, control.token, target):
+        yield control
 
 
 @dataclass
@@ -37,10 +54,12 @@ class Bound:
     kwargs: dict[str, Any]
     options: dict[str, Any]
     control: RunControl
+    checkpoint: bool = False
 
     def __call__(self) -> Outcome:
-        with self.control:
-            return self.adapter.run(self.target, self.args, self.kwargs, self.control, **self.options)
+        with running(self.control, self.target):
+            run = resumable(self.adapter).record if self.checkpoint else self.adapter.run
+            return run(self.target, self.args, self.kwargs, self.control, **self.options)
 
 
 def bind(
@@ -54,11 +73,16 @@ def bind(
     on_step: Callable[[StepState], object] | None = None,
     adapter: str | Adapter | None = None,
     kwargs: Mapping[str, Any] | None = None,
+    checkpoint: bool = False,
 ) -> Bound:
     """Check everything that can be checked before the run and bind it (see :func:`run`)."""
     # validates stop=, mode= and escalate_after= first
     control = RunControl(stop, mode=mode, on_step=on_step, escalate_after=escalate_after)
     found, foreign = resolve(target, REGISTRY, adapter)
+    if not isinstance(checkpoint, bool):
+        raise TypeError(f"checkpoint= takes True or False, got {checkpoint!r}")
+    if checkpoint:
+        resumable(found)
     target_kwargs = dict(target_kwargs)
     options = {name: target_kwargs.pop(name) for name in found.options if name in target_kwargs}
     wrong = sorted(foreign & target_kwargs.keys())
@@ -80,7 +104,7 @@ def bind(
                 f"{', '.join(twice)} given both in kwargs= and as a keyword argument: give it once"
             )
         target_kwargs.update(kwargs)
-    return Bound(found, target, args, target_kwargs, options, control)
+    return Bound(found, target, args, target_kwargs, options, control, checkpoint)
 
 
 def run(
@@ -92,6 +116,7 @@ def run(
     on_step: Callable[[StepState], object] | None = None,
     adapter: str | Adapter | None = None,
     kwargs: Mapping[str, Any] | None = None,
+    checkpoint: bool = False,
     **target_kwargs: Any,
 ) -> Outcome:
     """Run ``target(*args, **target_kwargs)`` with the stop machinery attached.
@@ -106,8 +131,10 @@ def run(
     object) instead of detecting it. Keyword arguments go to the target unchanged, except the
     adapter's own options (``partial=`` for diffusers); ``kwargs=`` is a mapping of target
     arguments passed as they are, for a name that ``run()`` itself uses (e.g. a pipeline's ``mode``).
+    ``checkpoint=True`` records what :func:`stopcock.resume` needs to continue the run bit for bit
+    later (here or in another process): ``outcome.checkpoint``, stopped or not.
     """
     return bind(
         target, args, target_kwargs, stop=stop, mode=mode, escalate_after=escalate_after, on_step=on_step,
-        adapter=adapter, kwargs=kwargs,
+        adapter=adapter, kwargs=kwargs, checkpoint=checkpoint,
     )()

@@ -30,6 +30,8 @@ class StopSignal:
         self._callbacks = Callbacks(self._cond)
         self._children: weakref.WeakSet[StopSignal] = weakref.WeakSet()
         self._parent: StopSignal | None = None  # a child keeps its parent (and so the chain) alive
+        self._skips = 0  # skip() calls: a run compares it with the count when its current item began
+        self._after_item: tuple[str] | None = None  # the reason given to stop_after_item()
 
     def __repr__(self) -> str:
         state = f"stopped, reason={self.reason!r}" if self.stopped else "running"
@@ -99,24 +101,72 @@ class StopSignal:
         return reason
 
     def on_stop(self, fn: Callable[[], object]) -> Callable[[], None]:
-        """Run ``fn()`` once when stopped (at once if already stopped). Returns a remover."""
-        with self._cond:
-            if not self.stopped:
-                return self._callbacks.add(fn)
-        fn()
-        return lambda: None
+        """Run ``fn()`` once when stopped (at once if already stopped). Returns a remover.
+
+        Registered first, then checked: a stop that lands in between, even from a signal handler
+        interrupting this call on the same thread, either drains the registration (and runs it)
+        or finds it claimed back here (and this call runs it). Exactly once either way.
+        """
+        registration = self._callbacks.add(fn)
+        if self.stopped and registration.cancel():
+            fn()
+        return registration
 
     def child(self) -> StopSignal:
         """A new signal stopped (with the same reason) when this one stops, and stoppable alone.
 
         The parent holds its children weakly (a child no longer used costs nothing); a child holds
-        its parent, so ``root.child().child()`` still follows ``root``.
+        its parent, so ``root.child().child()`` still follows ``root``. Added first, then checked,
+        as in :meth:`on_stop` (stopping a child twice is harmless).
         """
         kid = StopSignal()
         kid._parent = self
         with self._cond:
-            if not self.stopped:
-                self._children.add(kid)
-                return kid
-        kid.stop(self._claim["reason"][0])
+            self._children.add(kid)
+            kid._after_item = self._after_item  # after the add: a stop_after_item in between reaches it
+        if self.stopped:
+            kid.stop(self._claim["reason"][0])
         return kid
+
+    # -- multi-item runs: skip the current item, or stop once it is done ----------------------------
+    @property
+    def skips(self) -> int:
+        """How many times :meth:`skip` was called."""
+        return self._skips
+
+    @property
+    def after_item(self) -> str | None:
+        """The reason given to :meth:`stop_after_item` (the first one), or None."""
+        claim = self._after_item
+        return None if claim is None else claim[0]
+
+    def skip(self) -> None:
+        """End the current item of a run and go on with the next one (a run of one item ends).
+
+        Seen at the run's next step, as a stop is; a skip made when no item is running is ignored
+        by the items that start later. Children are skipped too. Safe from any thread and from a
+        signal handler.
+        """
+        with self._cond:
+            self._skips += 1
+            children = list(self._children)
+        for child in children:
+            child.skip()
+
+    def stop_after_item(self, reason: str = "user") -> bool:
+        """Let the current item of a run finish, then start no new one; the run ends with ``reason``.
+
+        It does not stop this signal: :attr:`stopped` stays False, and a later :meth:`stop` still
+        stops at the next step. The first reason wins; returns whether this call set it. Children
+        follow.
+        """
+        if not isinstance(reason, str) or not reason:
+            raise TypeError(f"reason must be a non-empty str, got {reason!r}")
+        with self._cond:
+            if self._after_item is not None:
+                return False
+            self._after_item = (reason,)
+            children = list(self._children)
+        for child in children:
+            child.stop_after_item(reason)
+        return True

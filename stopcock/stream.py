@@ -18,7 +18,8 @@ names:
 
 Leaving early, by ``break`` (the iterator is dropped), ``close()`` or ``with``, stops the run at
 its next step with reason ``"cancelled"`` and waits until it has; a stream left to the cyclic
-garbage collector is stopped without waiting. ``stop(reason)`` stops the run but keeps the
+garbage collector is stopped by its worker, which notices at its next step that the stream is
+gone (nothing of stopcock runs inside a garbage collection). ``stop(reason)`` stops the run but keeps the
 stream open, so the text made before the stop and the final :class:`Done` still arrive. An
 exception inside the run is raised to the consumer after the events before it. The buffer between
 the worker and the consumer holds at most ``buffer`` events: a slow consumer holds the worker in
@@ -27,10 +28,10 @@ its step (a consumer that goes away releases it).
 
 from __future__ import annotations
 
-import gc
 import threading
 import weakref
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 from .conditions import StopLike
@@ -66,26 +67,14 @@ def events_for(tokenizer: Any, preview: str | None, preview_every: int) -> Calla
 
 
 # -- the sync stream ---------------------------------------------------------------------------------
-_collecting: set[int] = set()  # threads running a cyclic garbage collection now
-
-
-def _track_collections(phase: str, info: dict[str, Any]) -> None:
-    (_collecting.add if phase == "start" else _collecting.discard)(threading.get_ident())
-
-
-gc.callbacks.append(_track_collections)
-
-
 def _leave(channel: Channel, thread: threading.Thread) -> None:
-    """End a stream's run: stop it, and wait for the worker unless that could deadlock.
+    """End a stream's run: stop it, and wait for the worker (not from the worker's own thread).
 
-    Waiting is what makes ``break`` leave nothing running. It is skipped on the worker's own
-    thread and inside a cyclic garbage collection, which may run on any thread, holding any lock
-    the worker might need; the run still stops at its next step.
+    Waiting is what makes ``break`` leave nothing running. It runs when the stream is closed or
+    its last reference goes, never inside a cyclic garbage collection (see :meth:`Channel.attach`).
     """
     channel.abandon()
-    here = threading.get_ident()
-    if here != thread.ident and here not in _collecting:
+    if threading.get_ident() != thread.ident:
         thread.join()
 
 
@@ -116,7 +105,7 @@ class Stream(RunHandle, Iterator[Event]):
         self._channel = channel
         self._thread = thread
         # The worker holds the channel, never this object: dropping the stream ends the run.
-        self._finalizer = weakref.finalize(self, _leave, channel, thread)
+        self._dropped: weakref.ref[Stream] | None = channel.attach(self, partial(_leave, channel, thread))
 
     def __iter__(self) -> Stream:
         return self
@@ -141,7 +130,8 @@ class Stream(RunHandle, Iterator[Event]):
         Events not read yet are dropped; an exception the run raised and the consumer has not
         received is raised here.
         """
-        self._finalizer()
+        self._dropped = None  # left here, not when the stream is dropped
+        _leave(self._channel, self._thread)
         if self._thread is not threading.current_thread():
             self._channel.raise_error()
 

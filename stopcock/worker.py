@@ -7,6 +7,7 @@ side may be a thread or an event loop (woken through :meth:`Channel.add_waker`).
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +20,12 @@ from .runner import RUN_OPTIONS, Bound, bind
 from .signal import StopSignal
 from .state import StepState
 
-__all__ = ["Channel", "start_worker"]
+__all__ = ["CONSUMER_POLL", "Channel", "start_worker"]
+
+#: Seconds between two looks, by a worker held by a full buffer, at whether its consumer still
+#: exists. A consumer that leaves wakes the worker at once; this is for one freed by the cyclic
+#: garbage collector, which tells nobody.
+CONSUMER_POLL = 0.05
 
 
 class Channel:
@@ -27,7 +33,8 @@ class Channel:
 
     ``signal`` stops the run. ``abandon()`` says the consumer is gone: the run is stopped with
     reason ``"cancelled"`` and the worker no longer waits for room in the buffer. ``stalled`` is
-    set once the worker has had to wait for the consumer (back-pressure).
+    set once the worker has had to wait for the consumer (back-pressure). :meth:`attach` ties the
+    run to the object the consumer holds, so that the run also ends when that object is dropped.
     """
 
     def __init__(self, size: int) -> None:
@@ -40,20 +47,42 @@ class Channel:
         self._items: deque[Event] = deque()
         self._size = size
         self._abandoned = False
+        self._consumer: weakref.ref[Any] | None = None
         self._wakers = Callbacks(self._cond)
+
+    def attach(self, consumer: object, on_drop: Callable[[], object]) -> weakref.ref[Any]:
+        """Tie the run to ``consumer`` (the stream the user holds): once it is gone, the run stops.
+
+        Returns a weak reference that ``consumer`` must keep on itself (drop it to detach). When
+        the consumer's last reference goes (a ``break``, a ``del``), its callback runs
+        ``on_drop()`` at once. When the cyclic garbage collector frees the consumer instead, that
+        reference is garbage too and CPython calls no callback of a garbage weak reference: nothing
+        of stopcock runs inside the collection (which may interrupt any code, on any thread, and
+        would swallow a ``KeyboardInterrupt`` raised there); the worker notices at its next check
+        (:meth:`consumer_gone`) and abandons the channel itself.
+        """
+        self._consumer = weakref.ref(consumer)
+        return weakref.ref(consumer, lambda _: on_drop())
+
+    def consumer_gone(self) -> bool:
+        """Whether the attached consumer has been freed (False when none was attached)."""
+        return self._consumer is not None and self._consumer() is None
 
     # worker side
     def put(self, event: Event) -> None:
         """Hand ``event`` over, waiting for room; dropped if the consumer is gone."""
         with self._cond:
-            if len(self._items) >= self._size:
+            while len(self._items) >= self._size and not self._abandoned and not self.consumer_gone():
                 self.stalled.set()
-                self._cond.wait_for(lambda: len(self._items) < self._size or self._abandoned)
-            if self._abandoned:
-                return
-            self._items.append(event)
-            self._cond.notify_all()
-        self._wake()
+                self._cond.wait(CONSUMER_POLL)
+            handed = not self._abandoned and not self.consumer_gone()
+            if handed:
+                self._items.append(event)
+                self._cond.notify_all()
+        if handed:
+            self._wake()
+        elif not self._abandoned:  # the consumer was freed by the cyclic collector
+            self.abandon()
 
     def finish(self, outcome: Outcome | None, error: BaseException | None) -> None:
         with self._cond:
@@ -120,6 +149,24 @@ class Channel:
             fn()
 
 
+class _ConsumerGone(Condition):
+    """Stops the run once the channel's consumer is gone (checked at every step and block)."""
+
+    reason = "cancelled"
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+
+    def check(self, state: StepState) -> str | None:
+        if not self.channel.consumer_gone():
+            return None
+        self.channel.abandon()
+        return self.reason
+
+    def __repr__(self) -> str:
+        return "consumer_gone()"
+
+
 def start_worker(
     target: Any,
     args: tuple[Any, ...],
@@ -142,7 +189,7 @@ def start_worker(
     if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 1:
         raise ValueError(f"buffer must be an int >= 1 (events held for a slow consumer), got {buffer!r}")
     channel = Channel(buffer)
-    condition: list[Condition] = [as_condition(channel.signal)]
+    condition: list[Condition] = [_ConsumerGone(channel), as_condition(channel.signal)]
     if stop is not None:
         condition.append(as_condition(stop))
     options = {name: kwargs.pop(name) for name in RUN_OPTIONS if name in kwargs}

@@ -83,7 +83,8 @@ async def test_cancelling_arun_stops_the_run_and_waits_for_it(call):
         await task
     steps_when_cancelled = list(pause.steps)
     assert pause.worker_ended()
-    assert pause.steps == steps_when_cancelled == [1, 2, 3, 4]  # one step after the stop, then none
+    # the stop came while step 3's on_step held the worker: it ends step 3 (on_step runs before the check)
+    assert pause.steps == steps_when_cancelled == [1, 2, 3]
     assert _clean(target)
 
 
@@ -108,7 +109,7 @@ async def test_stop_from_the_event_loop_and_wait_async(text_call):
     assert signal.stop("user")  # on the loop's thread
     assert await signal.wait_async() == "user"
     outcome = await task
-    assert outcome.stopped and outcome.reason == "user" and outcome.steps == 3
+    assert outcome.stopped and outcome.reason == "user" and outcome.steps == 2  # seen at the paused step
 
 
 async def test_astream_text_and_image(text_call, image_call, tokenizer):
@@ -135,7 +136,7 @@ async def test_aclose_stops_the_run(call):
     await pause.reached.wait_async()
     await stream.aclose()
     assert stream.outcome is not None and stream.outcome.reason == "cancelled"
-    assert stream.outcome.steps == 3 and pause.steps == [1, 2, 3]
+    assert stream.outcome.steps == 2 and pause.steps == [1, 2]  # seen at the paused step
     assert pause.worker_ended() and _clean(target)
     assert [e async for e in stream] == []
 
@@ -160,8 +161,8 @@ async def test_cancelling_the_consuming_task_stops_the_stream(call):
     with pytest.raises(asyncio.CancelledError):
         await task
     assert pause.worker_ended()
-    assert stream.outcome is not None and stream.outcome.reason == "cancelled" and stream.outcome.steps == 4
-    assert pause.steps == [1, 2, 3, 4] and _clean(target)
+    assert stream.outcome is not None and stream.outcome.reason == "cancelled" and stream.outcome.steps == 3
+    assert pause.steps == [1, 2, 3] and _clean(target)  # seen at the paused step
 
 
 async def test_anyio_cancel_scope_stops_the_stream(call):
@@ -181,7 +182,7 @@ async def test_anyio_cancel_scope_stops_the_stream(call):
         await consuming.wait()
         await pause.reached.wait_async()
         group.cancel_scope.cancel()
-    assert stream.outcome is not None and stream.outcome.reason == "cancelled" and stream.outcome.steps == 3
+    assert stream.outcome is not None and stream.outcome.reason == "cancelled" and stream.outcome.steps == 2
     assert pause.worker_ended() and _clean(target)
 
 
@@ -201,7 +202,7 @@ async def test_anyio_cancel_scope_around_arun(text_call):
             await stopcock.arun(target, on_step=pause, **kwargs)
             finished = True
     assert scope.cancelled_caught and not finished
-    assert pause.worker_ended() and pause.steps == [1, 2, 3]
+    assert pause.worker_ended() and pause.steps == [1, 2]  # seen at the paused step
 
 
 async def test_a_second_cancellation_does_not_cut_the_wait_short(text_call):
@@ -216,7 +217,7 @@ async def test_a_second_cancellation_does_not_cut_the_wait_short(text_call):
     pause.release.set()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert pause.steps == [1, 2, 3] and pause.worker_ended()
+    assert pause.steps == [1, 2] and pause.worker_ended()  # seen at the paused step
 
 
 async def test_a_stream_never_iterated_runs_nothing(text_call):
@@ -311,7 +312,7 @@ def test_client_disconnect_stops_the_run_within_one_step(text_model, tokenizer):
         outcome = streams[0].outcome
         assert outcome is not None and outcome.stopped and outcome.reason == "cancelled"
         # the step under way when the client left is the last one: 200 were asked for
-        assert outcome.steps == 6 and pause.steps == [1, 2, 3, 4, 5, 6]
+        assert outcome.steps == 5 and pause.steps == [1, 2, 3, 4, 5]
         assert not any(m._forward_pre_hooks for m in text_model.modules())
         # the server still serves: a full run completes
         pause.at = -1
@@ -333,4 +334,4 @@ def test_disconnect_at_other_steps(text_model, tokenizer, step):
             assert pause.reached.wait(BOUND)
         pause.workers[0].join(BOUND)
         assert not pause.workers[0].is_alive()
-        assert streams[0].outcome.reason == "cancelled" and streams[0].outcome.steps == step + 1
+        assert streams[0].outcome.reason == "cancelled" and streams[0].outcome.steps == step

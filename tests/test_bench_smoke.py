@@ -76,6 +76,17 @@ def test_partial_results_are_what_was_asked(sections):
         assert math.isfinite(stop["rmse"]) and math.isfinite(stop["latent_mse"])
 
 
+def test_resume_benchmark_measures_resumes_that_are_exact(sections):
+    data = sections["resume"].data
+    assert all(r["exact"] for group in data["resume"].values() for r in group.values())
+    assert set(data["tiny_bytes"]["measured"]) == {data["tiny_bytes"]["predicted"]}  # the shape formula holds
+    assert all(math.isfinite(a["ratio"]) and a["ratio"] > 0 for a in data["overhead"].values())
+def test_a_fast_forwarded_tail_is_measured_step_by_step(sections):
+    (case,) = sections["fastforward"].data.values()
+    assert case["path"] == "fast-forward" and case["fast_forwarded"] == len(case["forwarded"]) > 0
+    assert case["computed"] and all(d > 0 for d in case["computed"] + case["forwarded"])
+
+
 def test_readme_summary_replaces_only_its_block(sections, tmp_path: Path):
     readme = tmp_path / "README.md"
     readme.write_text(f"before\n{SUMMARY_START}\nold\n{SUMMARY_END}\nafter\n")

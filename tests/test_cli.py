@@ -27,7 +27,6 @@ from stopcock.cli import (
     EXIT_INTERRUPTED,
     EXIT_STOPPED,
     EXIT_USAGE,
-    main,
 )
 
 # The gate, run in the child before the CLI: CLI_TEST_GATE holds comma-separated specs.
@@ -80,21 +79,6 @@ sys.exit(main(sys.argv[1:]))
 ACK_ONCE = "Ctrl+C again to abort now"
 ACK_TWICE = "aborting now"
 PROMPT = "Beautiful is"
-
-
-@pytest.fixture(scope="session")
-def zen_text():
-    """The demo text model's greedy continuation of PROMPT after n tokens."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from stopcock.tiny.demo import demo_model
-
-    model = AutoModelForCausalLM.from_pretrained(demo_model("text")).eval()
-    tokenizer = AutoTokenizer.from_pretrained(demo_model("text"))
-    inputs = tokenizer(PROMPT, return_tensors="pt")
-    out = model.generate(**inputs, max_new_tokens=40, do_sample=False)
-    new = out[0, inputs["input_ids"].shape[1]:]
-    return lambda n: tokenizer.decode(new[:n], skip_special_tokens=True)
 
 
 def child_env(gate: str | None = None) -> dict[str, str]:
@@ -150,18 +134,6 @@ class Held:
         code = self.proc.wait()
         self.watchdog.cancel()
         return code, out, err
-
-
-@pytest.fixture
-def run_main(capsys):
-    """Run ``stopcock.cli.main(args)`` in this process (quicker): returns (exit code, stdout, stderr)."""
-
-    def call(*args: str) -> tuple[int, str, str]:
-        code = main(list(args))
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return call
 
 
 def png_metadata(path: Path) -> dict:

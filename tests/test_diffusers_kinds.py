@@ -28,7 +28,7 @@ class Kind:
     build: Any
     call: dict[str, Any]
     denoisers: tuple[str, ...]  # component names, in stage order
-    native: bool  # honours interrupt: finishes (decodes) after a stop
+    native: bool  # checks interrupt: finishes through the flag (the others are fast-forwarded)
     stage_steps: tuple[int, ...] = (STEPS,)
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -111,23 +111,27 @@ def test_stop_at_step(kind_pipe, count_forwards, mode, at):
     outcome = stopcock.run(pipe, **call_kwargs(kind), stop=stop, mode=mode, on_step=seen.append)
 
     assert outcome.stopped and outcome.reason == "max_steps"
-    assert outcome.steps == at == len(seen)
-    # After the step where the stop is seen, no denoiser forward: not in this stage, not in the next.
-    done = at
+    # After the step where the stop is seen, no forward of the stopped stage's denoiser. In finish mode
+    # a combined pipeline's next stage then runs in full on what the stopped one produced (stage="next").
+    done, later, steps_run, left = at, False, 0, 0
     for name, per, steps in zip(kind.denoisers, per_step, kind.stage_steps, strict=True):
-        assert counts[pipe.components[name]] == per * min(done, steps), name
-        done = max(0, done - steps)
+        ran = steps if later and mode == "finish" else 0 if later else min(done, steps)
+        assert counts[pipe.components[name]] == per * ran, name
+        steps_run += ran
+        left = steps - done if not later and done <= steps else left  # the stopped stage's steps left
+        later, done = later or done <= steps, max(0, done - steps)
+    assert outcome.steps == steps_run == len(seen)
     torch.testing.assert_close(outcome.latents, seen[-1].latents, rtol=0, atol=0)
     assert outcome.partial == "raw"
-    if mode == "finish" and kind.native:
-        assert outcome.mode == "finish" and outcome.detail is None
+    if mode == "finish":
+        assert outcome.mode == "finish"
         assert images(outcome.output).shape == reference.shape
-        assert outcome.extra["path"] == "interrupt"
+        forwarded = 0 if kind.native else left
+        assert outcome.extra["path"] == ("fast-forward" if forwarded else "interrupt")
+        assert outcome.extra["fast_forwarded"] == forwarded
+        assert (outcome.detail is None) == (not forwarded)  # a fast-forward says so
     else:
-        assert outcome.mode == "abort" and outcome.output is None
-        assert (mode == "abort") == (outcome.detail is None)
-        if mode == "finish":
-            assert "cannot finish early" in outcome.detail
+        assert outcome.mode == "abort" and outcome.output is None and outcome.detail is None
     assert_clean(pipe)
     # The next run with the same seed is the same as a fresh pipeline's.
     np.testing.assert_array_equal(images(pipe(**call_kwargs(kind))), reference)
@@ -149,7 +153,8 @@ def test_a_stop_in_the_second_stage_of_a_combined_pipeline(count_forwards):
     counts = count_forwards(prior, unet)
     states = []
     outcome = stopcock.run(pipe, **call_kwargs(kind), stop=stopcock.max_steps(5), on_step=states.append)
-    assert outcome.steps == 5 and outcome.mode == "abort" and outcome.output is None
+    assert outcome.steps == 5 and outcome.mode == "finish" and images(outcome.output).shape == (1, 64, 64, 3)
+    assert outcome.extra["path"] == "fast-forward" and outcome.extra["fast_forwarded"] == 2
     assert counts[prior] == 3 and counts[unet] == 2  # one (guidance-batched) call per step
     # The total is learnt stage by stage: the prior's 3 steps, then 3 + the decoder's 4.
     assert [s.total for s in states] == [3, 3, 3, 7, 7]
@@ -197,9 +202,14 @@ def test_an_unknown_pipeline_with_two_schedulers_in_one_loop(count_forwards, mod
     calls = count_forwards(pipe.unet)
     stop = stopcock.max_steps(2)
     outcome = stopcock.run(pipe, num_inference_steps=4, generator=generator, stop=stop, mode=mode)
-    assert outcome.steps == 2 and outcome.mode == "abort" and outcome.output is None
+    assert outcome.steps == 2 and outcome.mode == mode
     assert calls[pipe.unet] == 3  # both streams' first step, then the first stream's second one
-    assert (mode == "finish") == ("cannot finish early" in (outcome.detail or ""))
+    if mode == "finish":  # fast-forwarded: both streams come back, the first at its stop step
+        a, b = outcome.output
+        torch.testing.assert_close(a, outcome.latents, rtol=0, atol=0)
+        assert b.shape == a.shape and outcome.extra["path"] == "fast-forward"
+    else:
+        assert outcome.output is None
 
 
 class FlagOnly(DiffusionPipeline):

@@ -379,6 +379,30 @@ def test_stc006_fires_on_generate_a_text_generation_pipeline_and_generation_conf
 
 
 @pytest.mark.parametrize(
+    "wrap",
+    [
+        "from peft import get_peft_model\nmodel = get_peft_model(model, config)",
+        "import peft\nmodel = peft.get_peft_model(model, config)",
+        "from peft import PeftModel\nmodel = PeftModel.from_pretrained(model, 'adapter')",
+    ],
+)
+def test_stc006_follows_a_model_through_peft(wrap):
+    source = (
+        "from transformers import AutoModelForCausalLM\nmodel = AutoModelForCausalLM.from_pretrained('m')\n"
+        f"{wrap}\nmodel.generate(**inputs, max_tokens=50)\n"
+    )
+    assert found(source, "STC006") == [(len(source.splitlines()), "STC006")]
+
+
+def test_stc006_does_not_guess_what_peft_wraps():
+    source = (
+        "from peft import get_peft_model\nmodel = get_peft_model(load(), config)\n"
+        "model.generate(max_tokens=5)"
+    )
+    assert found(source, "STC006") == []
+
+
+@pytest.mark.parametrize(
     "source",
     [
         "from vllm import LLM, SamplingParams\nllm = LLM('m')\n"

@@ -91,8 +91,8 @@ def test_break_stops_within_one_step_and_waits(image_pipe, mode):
         del s  # the loop holds the last reference
         break  # the stream goes: its finaliser stops the run and waits for it
     assert not pause.workers[0].is_alive()
-    # finish mode ends at the next step boundary; abort mode inside the next denoiser forward
-    assert pause.steps == ([1, 2, 3, 4] if mode == "finish" else [1, 2, 3])
+    # the stop came while step 3's on_step held the worker: that step is the last, in either mode
+    assert pause.steps == [1, 2, 3]
     assert _clean(image_pipe)
 
 
@@ -102,9 +102,9 @@ def test_close_reports_the_partial_run(image_pipe):
     s.signal.on_stop(pause.release.set)  # the held worker goes on once the stop is requested
     assert pause.reached.wait(BOUND)
     s.close()
-    # the stop came during step 2's on_step: step 3 is the last, then the partial image is decoded
+    # the stop came during step 2's on_step: step 2 is the last, then the partial image is decoded
     assert s.outcome.stopped and s.outcome.reason == "cancelled"
-    assert s.outcome.steps == 3 and pause.steps == [1, 2, 3]
+    assert s.outcome.steps == 2 and pause.steps == [1, 2]
     assert s.outcome.output is not None and s.outcome.output.images[0].size == (64, 64)
     assert _clean(image_pipe)
 

@@ -28,6 +28,16 @@ def greedy(model, batch, **kwargs):
     return model.generate(**batch, max_new_tokens=NEW, do_sample=False, **kwargs)
 
 
+def stop_when_armed(signal, armed):
+    """A forward pre-hook that stops ``signal`` once ``armed`` holds something (it keeps the inputs)."""
+
+    def hook(module, args):
+        if armed:
+            signal.stop()
+
+    return hook
+
+
 def all_hooks(model):
     return [h for m in [model, *model.modules()] for h in m._forward_pre_hooks.values()]
 
@@ -77,9 +87,9 @@ def test_signal_from_step_callback_stops_after_that_step(text_model, batch):
     outcome = stopcock.run(
         text_model, **batch, max_new_tokens=NEW, do_sample=False, stop=signal, on_step=on_step
     )
-    # the stop came after the check of step 7, so step 8 is the first check that sees it
-    assert (outcome.reason, outcome.steps, seen) == ("button", 8, list(range(1, 9)))
-    assert torch.equal(outcome.output, greedy(text_model, batch)[:, : batch["input_ids"].shape[1] + 8])
+    # on_step runs before the step's check, so the stop ends step 7 itself: no token after it (issue 12)
+    assert (outcome.reason, outcome.steps, seen) == ("button", 7, list(range(1, 8)))
+    assert torch.equal(outcome.output, greedy(text_model, batch)[:, : batch["input_ids"].shape[1] + 7])
 
 
 def test_stop_string_ends_its_row_only_padded(text_model, tokenizer, batch):
@@ -230,21 +240,26 @@ def test_user_max_time_and_stop_strings_keep_working(text_model, tokenizer, batc
 
 def test_abort_mid_generation_keeps_tokens_and_removes_hooks(text_model, batch):
     signal, streamer = stopcock.StopSignal(), Recorder()
+    armed = []
 
     def on_step(state):
         if state.step == 4:
-            signal.stop()
+            armed.append(True)  # the stop lands in the next token's forward (one from on_step ends step 4)
 
-    outcome = stopcock.run(
-        text_model,
-        **batch,
-        max_new_tokens=NEW,
-        do_sample=False,
-        mode="abort",
-        stop=signal,
-        on_step=on_step,
-        streamer=streamer,
-    )
+    hook = find_blocks(text_model)[0].register_forward_pre_hook(stop_when_armed(signal, armed))
+    try:
+        outcome = stopcock.run(
+            text_model,
+            **batch,
+            max_new_tokens=NEW,
+            do_sample=False,
+            mode="abort",
+            stop=signal,
+            on_step=on_step,
+            streamer=streamer,
+        )
+    finally:
+        hook.remove()
     assert (outcome.stopped, outcome.reason, outcome.steps, outcome.mode) == (True, "user", 4, "abort")
     assert "aborted" in outcome.detail
     assert (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_transformers_generate import Counting, Recorder  # tests/ is on sys.path under pytest
+from test_transformers_generate import Counting, Recorder, stop_when_armed  # tests/ is on sys.path
 from transformers import StoppingCriteriaList, pipeline
 from transformers.pipelines.pt_utils import KeyDataset
 
@@ -142,20 +142,25 @@ def test_user_criteria_at_init_and_call_kept(text_model, tokenizer):
 
 def test_text_generation_abort_and_prestop(text_pipe):
     signal = stopcock.StopSignal()
+    armed = []
 
     def on_step(state):
         if state.step == 3:
-            signal.stop()
+            armed.append(True)  # the stop lands in the next token's forward (one from on_step ends step 3)
 
-    outcome = stopcock.run(
-        text_pipe,
-        PROMPTS[:2],
-        max_new_tokens=NEW,
-        do_sample=False,
-        stop=signal,
-        mode="abort",
-        on_step=on_step,
-    )
+    hook = text_pipe.model.transformer.h[0].register_forward_pre_hook(stop_when_armed(signal, armed))
+    try:
+        outcome = stopcock.run(
+            text_pipe,
+            PROMPTS[:2],
+            max_new_tokens=NEW,
+            do_sample=False,
+            stop=signal,
+            mode="abort",
+            on_step=on_step,
+        )
+    finally:
+        hook.remove()
     assert (outcome.stopped, outcome.steps, outcome.output) == (True, 3, [])
     assert outcome.extra["partial_ids"].shape[1] == len(text_pipe.tokenizer(PROMPTS[0])["input_ids"]) + 3
     assert [h for m in text_pipe.model.modules() for h in m._forward_pre_hooks.values()] == []

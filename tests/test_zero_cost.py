@@ -327,8 +327,8 @@ def test_a_condition_of_your_own_is_armed_from_the_start(text_model, tokenizer):
 
 
 def test_a_pipelines_generate_settings_follow_its_generation_config(text_model_dir, tokenizer):
-    """A text pipeline's generate settings are prepared once per distinct value of what they depend
-    on: a change of the generation config, or of the call's arguments, is seen at the next run."""
+    """What a run reads of a text pipeline's generate settings (its total, how rows end) follows its
+    generation config and the call's arguments: a change of either is seen at the next run."""
     from transformers import AutoModelForCausalLM, pipeline
 
     model = AutoModelForCausalLM.from_pretrained(text_model_dir).eval()

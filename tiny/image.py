@@ -28,6 +28,14 @@ __all__ = [
     "ddpm_pipeline",
     "modular_sdxl_pipeline",
     "kandinsky_combined_pipeline",
+    "kandinsky3_pipeline",
+    "wan_pipeline",
+    "skyreels_df_pipeline",
+    "text_to_video_pipeline",
+    "audioldm_pipeline",
+    "score_sde_pipeline",
+    "modular_flux_pipeline",
+    "stable_cascade_combined_pipeline",
 ]
 
 # Stable Diffusion's noise schedule, shared by the schedulers of the SD-family builders.
@@ -310,8 +318,11 @@ def modular_sdxl_pipeline(*, seed: int = 0) -> Any:
     """A tiny modular SDXL pipeline (``StableDiffusionXLAutoBlocks``) with the SDXL components."""
     from diffusers.modular_pipelines import StableDiffusionXLAutoBlocks
 
-    classic = sdxl_pipeline(seed=seed)
-    blocks: Any = StableDiffusionXLAutoBlocks()
+    return _modular(StableDiffusionXLAutoBlocks(), sdxl_pipeline(seed=seed))
+
+
+def _modular(blocks: Any, classic: Any) -> Any:
+    """A modular pipeline of ``blocks`` holding the components of the ``classic`` pipeline."""
     pipe = blocks.init_pipeline()
     pipe.update_components(**{k: v for k, v in classic.components.items() if v is not None})
     return _quiet(pipe)
@@ -326,7 +337,6 @@ def kandinsky_combined_pipeline(*, seed: int = 0) -> Any:
         PriorTransformer,
         UnCLIPScheduler,
         UNet2DConditionModel,
-        VQModel,
     )
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
 
@@ -359,9 +369,62 @@ def kandinsky_combined_pipeline(*, seed: int = 0) -> Any:
         resnet_time_scale_shift="scale_shift",
         class_embed_type=None,
     )
+    return _quiet(
+        KandinskyV22CombinedPipeline(
+            unet=unet,
+            scheduler=DDPMScheduler(
+                beta_schedule="linear", beta_start=0.00085, beta_end=0.012, clip_sample=False, steps_offset=1,
+            ),
+            movq=_movq(seed=seed),
+            prior_prior=prior,
+            prior_image_encoder=image_encoder.eval(),
+            prior_text_encoder=clip_text_encoder(projection=True, seed=seed),
+            prior_tokenizer=clip_tokenizer(),
+            prior_scheduler=UnCLIPScheduler(
+                variance_type="fixed_small_log", prediction_type="sample", clip_sample=True,
+                clip_sample_range=10.0,
+            ),
+            prior_image_processor=CLIPImageProcessor(crop_size=32, size=32),
+        )
+    )
+
+
+def kandinsky3_pipeline(*, seed: int = 0) -> Any:
+    """A tiny ``Kandinsky3Pipeline`` (category B: takes the callback, never checks interrupt); 16x16."""
+    import torch
+    from diffusers import DDPMScheduler, Kandinsky3Pipeline, Kandinsky3UNet
+
     torch.manual_seed(seed)
-    movq = VQModel(
-        block_out_channels=[32, 32],
+    unet = Kandinsky3UNet(
+        in_channels=4,
+        time_embedding_dim=4,
+        groups=2,
+        attention_head_dim=4,
+        layers_per_block=3,
+        block_out_channels=(32, 64),
+        cross_attention_dim=4,
+        encoder_hid_dim=32,
+    )
+    scheduler = DDPMScheduler(
+        beta_start=0.00085, beta_end=0.012, steps_offset=1, beta_schedule="squaredcos_cap_v2",
+        clip_sample=True, thresholding=False,
+    )
+    return _quiet(
+        Kandinsky3Pipeline(
+            unet=unet, scheduler=scheduler, movq=_movq(seed=seed, block_out_channels=[32, 64]),
+            text_encoder=t5_encoder(seed=seed), tokenizer=t5_tokenizer(),
+        )
+    )
+
+
+def _movq(*, seed: int = 0, block_out_channels: list[int] | None = None) -> Any:
+    """Kandinsky's 2-level ``VQModel`` (MoVQ) decoder, 4 latent channels."""
+    import torch
+    from diffusers import VQModel
+
+    torch.manual_seed(seed)
+    return VQModel(
+        block_out_channels=block_out_channels or [32, 32],
         down_block_types=["DownEncoderBlock2D", "AttnDownEncoderBlock2D"],
         in_channels=3,
         latent_channels=4,
@@ -373,21 +436,176 @@ def kandinsky_combined_pipeline(*, seed: int = 0) -> Any:
         up_block_types=["AttnUpDecoderBlock2D", "UpDecoderBlock2D"],
         vq_embed_dim=4,
     )
+
+
+def _wan_vae(*, seed: int = 0) -> Any:
+    """A tiny ``AutoencoderKLWan`` (16 latent channels; 9 frames become 3 latent frames)."""
+    import torch
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(seed)
+    return AutoencoderKLWan(
+        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+    )
+
+
+def _wan_transformer(cls_name: str, *, seed: int = 0) -> Any:
+    import diffusers
+    import torch
+
+    torch.manual_seed(seed)
+    return getattr(diffusers, cls_name)(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
+        text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+    )
+
+
+def wan_pipeline(*, seed: int = 0) -> Any:
+    """A tiny ``WanPipeline`` (text to video, category A); use height=width=16, num_frames=9."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+
     return _quiet(
-        KandinskyV22CombinedPipeline(
-            unet=unet,
-            scheduler=DDPMScheduler(
-                beta_schedule="linear", beta_start=0.00085, beta_end=0.012, clip_sample=False, steps_offset=1,
-            ),
-            movq=movq,
-            prior_prior=prior,
-            prior_image_encoder=image_encoder.eval(),
+        WanPipeline(
+            transformer=_wan_transformer("WanTransformer3DModel", seed=seed), vae=_wan_vae(seed=seed),
+            scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0), text_encoder=t5_encoder(seed=seed),
+            tokenizer=t5_tokenizer(),
+        )
+    )
+
+
+def skyreels_df_pipeline(*, seed: int = 0) -> Any:
+    """A tiny ``SkyReelsV2DiffusionForcingPipeline`` (video; steps one scheduler copy per latent frame);
+    use height=width=16, num_frames=9."""
+    from diffusers import SkyReelsV2DiffusionForcingPipeline, UniPCMultistepScheduler
+
+    return _quiet(
+        SkyReelsV2DiffusionForcingPipeline(
+            transformer=_wan_transformer("SkyReelsV2Transformer3DModel", seed=seed), vae=_wan_vae(seed=seed),
+            scheduler=UniPCMultistepScheduler(flow_shift=8.0, use_flow_sigmas=True),
+            text_encoder=t5_encoder(seed=seed), tokenizer=t5_tokenizer(),
+        )
+    )
+
+
+def text_to_video_pipeline(*, seed: int = 0) -> Any:
+    """A tiny ``TextToVideoSDPipeline`` (video, category D: legacy ``callback`` only); 32x32 frames."""
+    import torch
+    from diffusers import TextToVideoSDPipeline, UNet3DConditionModel
+
+    torch.manual_seed(seed)
+    unet = UNet3DConditionModel(
+        block_out_channels=(8, 8), layers_per_block=1, sample_size=32, in_channels=4, out_channels=4,
+        down_block_types=("CrossAttnDownBlock3D", "DownBlock3D"),
+        up_block_types=("UpBlock3D", "CrossAttnUpBlock3D"), cross_attention_dim=32, attention_head_dim=4,
+        norm_num_groups=2,
+    )
+    autoencoder = vae(seed=seed, block_out_channels=(8,), down_block_types=["DownEncoderBlock2D"],
+                      up_block_types=["UpDecoderBlock2D"], sample_size=32)
+    return _quiet(
+        TextToVideoSDPipeline(
+            vae=autoencoder, text_encoder=clip_text_encoder(seed=seed), tokenizer=clip_tokenizer(), unet=unet,
+            scheduler=_ddim(),
+        )
+    )
+
+
+def audioldm_pipeline(*, seed: int = 0) -> Any:
+    """A tiny ``AudioLDMPipeline`` (text to audio, category D: legacy ``callback`` only); use
+    ``audio_length_in_s=0.1`` or so: its vocoder turns 8-bin mel frames into a 16 kHz waveform."""
+    import torch
+    from diffusers import AudioLDMPipeline, UNet2DConditionModel
+    from transformers import (
+        ClapTextConfig,
+        ClapTextModelWithProjection,
+        SpeechT5HifiGan,
+        SpeechT5HifiGanConfig,
+    )
+
+    torch.manual_seed(seed)
+    unet = UNet2DConditionModel(
+        block_out_channels=(8, 16), layers_per_block=1, norm_num_groups=8, sample_size=32, in_channels=4,
+        out_channels=4, down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=(8, 16),
+        class_embed_type="simple_projection", projection_class_embeddings_input_dim=8,
+        class_embeddings_concat=True,
+    )
+    autoencoder = vae(seed=seed, block_out_channels=[8, 16], in_channels=1, out_channels=1, norm_num_groups=8)
+    torch.manual_seed(seed)
+    text_encoder = ClapTextModelWithProjection(
+        ClapTextConfig(
+            bos_token_id=0, eos_token_id=2, hidden_size=8, intermediate_size=37, layer_norm_eps=1e-05,
+            num_attention_heads=1, num_hidden_layers=1, pad_token_id=1, vocab_size=1000, projection_dim=8,
+        )
+    ).eval()
+    torch.manual_seed(seed)
+    vocoder = SpeechT5HifiGan(
+        SpeechT5HifiGanConfig(
+            model_in_dim=8, sampling_rate=16000, upsample_initial_channel=16, upsample_rates=[2, 2],
+            upsample_kernel_sizes=[4, 4], resblock_kernel_sizes=[3, 7],
+            resblock_dilation_sizes=[[1, 3, 5], [1, 3, 5]], normalize_before=False,
+        )
+    ).eval()
+    return _quiet(
+        AudioLDMPipeline(
+            vae=autoencoder, text_encoder=text_encoder, tokenizer=clip_tokenizer(), unet=unet,
+            scheduler=_ddim(), vocoder=vocoder,
+        )
+    )
+
+
+def score_sde_pipeline(*, seed: int = 0) -> Any:
+    """A tiny ``ScoreSdeVePipeline`` (category E; its loop steps no scheduler: predictor-corrector
+    methods instead of ``step``); 16x16 images."""
+    from diffusers import ScoreSdeVePipeline, ScoreSdeVeScheduler
+
+    return _quiet(ScoreSdeVePipeline(unet=ddpm_pipeline(seed=seed).unet, scheduler=ScoreSdeVeScheduler()))
+
+
+def modular_flux_pipeline(*, seed: int = 0) -> Any:
+    """A tiny modular Flux pipeline (``FluxAutoBlocks``) with the Flux components; use height=width=32."""
+    from diffusers.modular_pipelines import FluxAutoBlocks
+
+    return _modular(FluxAutoBlocks(), flux_pipeline(seed=seed))
+
+
+def stable_cascade_combined_pipeline(*, seed: int = 0) -> Any:
+    """A tiny ``StableCascadeCombinedPipeline``: a prior stage, then a decoder stage, stepping one
+    shared ``DDPMWuerstchenScheduler`` (as in diffusers' own test); use height=width=128."""
+    import torch
+    from diffusers import DDPMWuerstchenScheduler, StableCascadeCombinedPipeline
+    from diffusers.models import StableCascadeUNet
+    from diffusers.pipelines.deprecated.wuerstchen import PaellaVQModel
+
+    torch.manual_seed(seed)
+    prior = StableCascadeUNet(
+        conditioning_dim=128, block_out_channels=(128, 128), num_attention_heads=(2, 2),
+        down_num_layers_per_block=(1, 1), up_num_layers_per_block=(1, 1), clip_image_in_channels=768,
+        switch_level=(False,), clip_text_in_channels=32, clip_text_pooled_in_channels=32,
+    ).eval()
+    torch.manual_seed(seed)
+    decoder = StableCascadeUNet(
+        in_channels=4, out_channels=4, conditioning_dim=128, block_out_channels=(16, 32, 64, 128),
+        num_attention_heads=(-1, -1, 1, 2), down_num_layers_per_block=(1, 1, 1, 1),
+        up_num_layers_per_block=(1, 1, 1, 1), down_blocks_repeat_mappers=(1, 1, 1, 1),
+        up_blocks_repeat_mappers=(3, 3, 2, 2),
+        block_types_per_layer=(
+            ("SDCascadeResBlock", "SDCascadeTimestepBlock"),
+            ("SDCascadeResBlock", "SDCascadeTimestepBlock"),
+            ("SDCascadeResBlock", "SDCascadeTimestepBlock", "SDCascadeAttnBlock"),
+            ("SDCascadeResBlock", "SDCascadeTimestepBlock", "SDCascadeAttnBlock"),
+        ),
+        switch_level=None, clip_text_pooled_in_channels=32, dropout=(0.1, 0.1, 0.1, 0.1),
+    ).eval()
+    torch.manual_seed(seed)
+    vqgan = PaellaVQModel(bottleneck_blocks=1, num_vq_embeddings=2).eval()
+    scheduler = DDPMWuerstchenScheduler()
+    return _quiet(
+        StableCascadeCombinedPipeline(
+            text_encoder=clip_text_encoder(projection=True, seed=seed), tokenizer=clip_tokenizer(),
+            decoder=decoder, scheduler=scheduler, vqgan=vqgan,
             prior_text_encoder=clip_text_encoder(projection=True, seed=seed),
-            prior_tokenizer=clip_tokenizer(),
-            prior_scheduler=UnCLIPScheduler(
-                variance_type="fixed_small_log", prediction_type="sample", clip_sample=True,
-                clip_sample_range=10.0,
-            ),
-            prior_image_processor=CLIPImageProcessor(crop_size=32, size=32),
+            prior_tokenizer=clip_tokenizer(), prior_prior=prior, prior_scheduler=scheduler,
+            prior_feature_extractor=None, prior_image_encoder=None,
         )
     )

@@ -12,13 +12,13 @@ __all__ = ["REGISTRY", "Adapter", "Registered", "UnsupportedTarget", "resolve"]
 
 
 def _transformers() -> Adapter:
-    from .transformers import ADAPTER
+    from .transformers_resume import ADAPTER  # the transformers adapter, resumable
 
     return ADAPTER
 
 
 def _diffusers() -> Adapter:
-    from .diffusers import ADAPTER
+    from .diffusers_replay import ADAPTER  # the diffusers adapter, resumable by replay
 
     return ADAPTER
 
@@ -37,7 +37,7 @@ REGISTRY: tuple[Registered, ...] = (
         name="diffusers",
         library="diffusers",
         kind="diffusers pipelines (DiffusionPipeline, ModularPipeline)",
-        options=frozenset({"partial"}),
+        options=frozenset({"partial", "stage"}),
         load=_diffusers,
     ),
 )

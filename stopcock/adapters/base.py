@@ -16,13 +16,16 @@ import importlib.util
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ..control import RunControl
 from ..events import EventMaker
 from ..outcome import Outcome
 
-__all__ = ["Adapter", "Registered", "UnsupportedTarget", "resolve"]
+if TYPE_CHECKING:
+    from ..checkpoint import Checkpoint
+
+__all__ = ["Adapter", "Registered", "Resumable", "UnsupportedTarget", "resolve"]
 
 
 class UnsupportedTarget(TypeError):
@@ -56,6 +59,34 @@ class Adapter(Protocol):
     ) -> EventMaker:
         """How a stream of ``target`` turns each step into events; streaming options it cannot
         honour raise here, before the run (``kwargs`` may gain what the run needs, e.g. the tokenizer)."""
+        ...
+
+
+@runtime_checkable
+class Resumable(Protocol):
+    """A capability of an adapter: checkpoint a run and resume one, bit-identically where it can
+    (``run(..., checkpoint=True)``, ``stopcock.resume``). The checkpoint's ``kind`` is the adapter's name."""
+
+    def record(
+        self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], control: RunControl, **options: Any
+    ) -> Outcome:
+        """:meth:`Adapter.run`, recording what a resume needs: the Outcome's ``checkpoint``."""
+        ...
+
+    def resume(
+        self,
+        target: Any,
+        checkpoint: Checkpoint,
+        control: RunControl,
+        given: dict[str, Any],
+        *,
+        record: bool = False,
+        **options: Any,
+    ) -> Outcome:
+        """Continue ``checkpoint``'s run on ``target`` (refused, with the differences named, if it does
+        not match the checkpoint's fingerprint). ``given`` holds the call's arguments that the checkpoint
+        could not keep; ``record`` makes the Outcome carry a new checkpoint. The Outcome says how it
+        resumed (``resumed``)."""
         ...
 
 

@@ -1,27 +1,32 @@
 """Stop diffusers pipelines (``DiffusionPipeline`` and modular pipelines) at a step boundary.
 
-How a run is bound (one mechanism for every pipeline kind):
+How a run is bound (one mechanism for every pipeline kind, decided at run time):
 
-- **Step boundary**: each scheduler of the pipeline has its ``step`` wrapped for the run. Every
-  denoising loop in diffusers (classic, combined and modular) ends each step with ``scheduler.step``,
-  whatever its callback API, so this counts steps where classifier-free guidance batching or separate
-  conditional/unconditional denoiser calls would make counting denoiser forwards wrong. It also sees
-  the latents and the scheduler's estimate of the clean sample (x0), used for ``partial="denoised"``.
-  Stages (a combined pipeline's prior, then decoder) add up; a second scheduler stepped within the
-  same loop is not counted twice.
-- **Finish** (pipelines whose loop checks ``self.interrupt`` at every step, as
-  :func:`stopcock.pipeline_facts.call_honours_interrupt` reads their source): at the boundary where
-  the stop is seen, set the pipeline's own ``_interrupt`` flag. This
-  happens inside the call, after the pipeline reset the flag, so it cannot be lost; the loop skips
-  the remaining steps and the pipeline decodes as usual. With ``partial="denoised"`` the scheduler's
-  result at that step is replaced by the x0 estimate, so that is what gets decoded.
-- **Abort** (``mode="abort"``, and every other pipeline): :class:`~stopcock.control.Abort` is raised
-  at the step boundary, and a forward pre-hook on every module call, armed once a stop is possible
-  (:meth:`~stopcock.control.RunControl.intercept`), raises it at the next module call while a
-  forward is under way. No VAE decode, no safety checker, no next stage. A finish-mode stop
-  escalated by ``escalate_after=`` aborts the same way.
+- **Step boundary**: each scheduler of the pipeline has its ``step`` wrapped for the run, and so do
+  the copies the pipeline makes of it during the call. Every denoising loop in diffusers (classic,
+  combined and modular) ends each step with a scheduler step, whatever its callback API, so this
+  counts steps where classifier-free guidance batching or separate conditional/unconditional
+  denoiser calls would make counting denoiser forwards wrong. It also sees the latents and the
+  scheduler's estimate of the clean sample (x0), used for ``partial="denoised"``. Stages (a combined
+  pipeline's prior, then decoder) add up; a second scheduler stepped within the same loop, or a copy
+  stepped again with no model call in between (one per frame chunk), is not counted twice.
+- **Finish**: at the boundary where the stop is seen, the pipeline's own ``_interrupt`` flag is raised
+  (inside the call, after the pipeline reset it, so it cannot be lost), and the models called in that
+  step are held (:mod:`stopcock.adapters.diffusers_loop`). A loop that checks the flag skips its
+  remaining steps (path ``"interrupt"``). A loop that goes on is fast-forwarded (path
+  ``"fast-forward"``): its models answer from the stop step without computing and its scheduler steps
+  hold the sample, so it runs to its end at no compute cost. Either way the pipeline then decodes and
+  builds its output with its own code. With ``partial="denoised"`` the stop step's result is the x0
+  estimate. After a stop in a combined pipeline's first stage the next stage runs on what it produced
+  (``stage="next"``), or the run ends with that stage's output (``stage="current"``).
+- **Abort** (``mode="abort"``): :class:`~stopcock.control.Abort` is raised at the step boundary, and
+  a forward pre-hook on every module call, armed once a stop is possible
+  (:meth:`~stopcock.control.RunControl.intercept`), raises it at the next module call while a forward
+  is under way. No VAE decode, no safety checker, no next stage. A finish-mode stop escalated by
+  ``escalate_after=`` aborts the same way.
 
-Users' own ``callback_on_step_end`` / legacy ``callback`` arguments are left untouched.
+Users' own ``callback_on_step_end`` / legacy ``callback`` arguments are left untouched (a loop that
+is fast-forwarded still calls them, with the held latents).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from typing import Any
+from typing import Any, Literal, NoReturn, get_args
 
 import torch
 from diffusers import DiffusionPipeline, ModularPipeline
@@ -43,18 +48,21 @@ from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from ..conditions import StopLike, refuse_row_conditions
 from ..control import Abort, RunControl
 from ..events import StreamEvents
-from ..hooks import Tripwire
+from ..hooks import input_hooks
+from ..intercept import intercepted
 from ..outcome import Outcome
 from ..pipeline_facts import GENERATE_ONLY, call_honours_interrupt
 from ..previews import previewer
 from ..state import StepState
 from ..types import PARTIALS, Mode, Partial, choice
+from .diffusers_loop import LoopModels
 
 __all__ = ["ADAPTER", "DiffusersAdapter", "attach", "step_callback", "guard", "honours_interrupt", "Handle"]
 
-# Component names of the denoising models (unet, transformer, transformer_2, prior, prior_prior,
-# decoder, ...): models other than these are not expected to run after a finish-mode stop but the decode.
-DENOISER_WORDS = frozenset({"unet", "transformer", "prior", "decoder", "denoiser"})
+#: Where a stop in a combined pipeline's stage ends the run: the next stages run on what it produced, or
+#: the run ends with that stage.
+Stage = Literal["next", "current"]
+STAGES: tuple[Stage, ...] = get_args(Stage)
 
 _active: weakref.WeakSet[Any] = weakref.WeakSet()  # pipelines with a binding installed
 _active_lock = threading.Lock()
@@ -70,7 +78,8 @@ def honours_interrupt(pipe: object) -> bool:
     Decided by static analysis of the source of the class that defines the ``__call__`` actually run
     (:func:`stopcock.pipeline_facts.call_honours_interrupt`, the same facts the linter uses), so a
     subclass that overrides it is judged by its own ``__call__``; :func:`guard`'s subclass is looked
-    through. A class whose source cannot be read answers False and is stopped through hooks.
+    through. A class whose source cannot be read answers False. ``run``/``attach`` do not ask: they
+    decide at run time.
     """
     for cls in type(pipe).__mro__:
         if "__call__" in vars(cls) and not vars(cls).get("_stopcock_guarded", False):
@@ -134,6 +143,23 @@ def _remaining_steps(scheduler: Any, timestep: Any) -> int | None:
     return len(schedule) - schedule.index(value) if value in schedule else None
 
 
+def _timestep_of(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float | None:
+    """The timestep a model is called at (its ``timestep`` argument; the first one of a batch), or None."""
+    cls = type(module)
+    if cls not in _forward_names:
+        _forward_names[cls] = tuple(inspect.signature(cls.forward).parameters)[1:]  # without self
+    for i, name in enumerate(_forward_names[cls]):
+        if name in ("timestep", "timesteps"):
+            value = kwargs.get(name, args[i] if i < len(args) else None)
+            if isinstance(value, torch.Tensor):
+                return float(value.flatten()[0]) if value.numel() else None
+            return float(value) if isinstance(value, (int, float)) else None
+    return None
+
+
+_forward_names: dict[type, tuple[str, ...]] = {}  # a model class -> its forward's parameter names
+
+
 def _cut_short(remaining: int | None, planned: object) -> int | None:
     """The steps left, less any the pipeline cut from the end of its loop (SDXL's ``denoising_end``).
 
@@ -145,35 +171,90 @@ def _cut_short(remaining: int | None, planned: object) -> int | None:
     return planned if remaining is None else min(remaining, planned)
 
 
-class _StepWrapper:
-    """Stands in for ``scheduler.step`` during a run; a deep copy of the scheduler gets the plain step."""
+class _SchedulerMethod:
+    """Stands in for one method of a scheduler during a run, on the pipeline's schedulers and on the
+    copies the pipeline makes of them during the call (SkyReels V2's one per frame, LTX-2's audio
+    stream): ``family`` is the pipeline's scheduler this one is, or is a copy of."""
 
-    def __init__(self, scheduler: Any, binding: _Binding) -> None:
+    method = ""  # the name of the method stood in for
+
+    def __init__(
+        self,
+        scheduler: Any,
+        binding: _Binding,
+        family: Any = None,
+        original: Callable[..., Any] | None = None,
+    ) -> None:
         self.scheduler = scheduler
         self.binding = binding
-        self.original = scheduler.step  # bound method (or an outer wrapper)
-        # Pipelines inspect step()'s parameters to decide whether to pass generator= and eta=.
+        self.family = scheduler if family is None else family
+        # The bound method (or an outer wrapper of it).
+        self.original = getattr(scheduler, self.method) if original is None else original
+        # Pipelines inspect the parameters (step's generator= and eta=, set_timesteps' timesteps=).
         self.__signature__ = _signature(self.original)
         self._positional = _positional_names(self.__signature__)
         self.owner = threading.get_ident()
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        copy = memo.get(id(self.scheduler))
+        if copy is None:  # the wrapper alone is copied, not with its scheduler
+            return self
+        # The copy is being built: its state is not there yet, so its method is taken from its class.
+        wrapper = type(self)(copy, self.binding, self.family, getattr(type(copy), self.method).__get__(copy))
+        self.binding.copies.append(weakref.ref(copy))
+        return wrapper
+
+
+class _LoopStart(_SchedulerMethod):
+    """``scheduler.set_timesteps``: a loop is about to start."""
+
+    method = "set_timesteps"
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        result = self.original(*args, **kwargs)
+        if threading.get_ident() == self.owner:
+            self.binding.loop_starts(self.family)
+        return self.original(*args, **kwargs)
+
+
+class _StepWrapper(_SchedulerMethod):
+    """``scheduler.step``: a step ends (or, fast-forwarding, is held)."""
+
+    method = "step"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if threading.get_ident() != self.owner:
-            return result
-        return self.binding.step_done(self, args, kwargs, result)
+            return self.original(*args, **kwargs)
+        model_output, timestep, sample = self.named(args, kwargs)
+        held = self.binding.held(self, sample, args, kwargs)
+        if held is not None:
+            return held
+        result = self.original(*args, **kwargs)
+        return self.binding.step_done(self, model_output, timestep, sample, result)
 
     def named(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:
         """(model_output, timestep, sample) of a call, by name: not every step() takes them first
-        (CogVideoX's DPM)."""
-        # the call was valid (step() took it), so its positional arguments fill the first parameters
+        (CogVideoX's DPM). Positional arguments fill the first parameters (a call step() takes)."""
         named = {**dict(zip(self._positional, args, strict=False)), **kwargs}
         return named.get("model_output"), named.get("timestep"), named.get("sample")
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        copy = memo.get(id(self.scheduler))
-        # A copy of the scheduler (e.g. LTX-2's audio scheduler) steps itself, unobserved.
-        return self if copy is None else type(copy).step.__get__(copy)
+
+
+class _Stage:
+    """Stands in for a combined pipeline's stage (``prior_pipe``, ``decoder_pipe``) during a run, so
+    the binding knows which stage runs and what it returned."""
+
+    def __init__(self, pipe: Any, binding: _Binding) -> None:
+        self._pipe = pipe
+        self._binding = binding
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pipe, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._binding.run_stage(self._pipe, args, kwargs)
+
+
+_NOTHING = object()
 
 
 def _signature(step: Any) -> inspect.Signature:
@@ -203,26 +284,59 @@ def _positional_names(signature: inspect.Signature) -> tuple[str, ...]:
 
 # -- the binding ------------------------------------------------------------------------------------
 class _Binding:
-    """One run's hooks on one pipeline: installed on enter, removed (and the pipeline reset) on exit."""
+    """One run's hooks on one pipeline: installed on enter, removed (and the pipeline reset) on exit.
 
-    def __init__(self, pipe: Any, control: RunControl, partial: Partial | None = None) -> None:
+    Finish mode, at the step where the stop is seen: the pipeline's own ``_interrupt`` is raised and
+    the models called in that step are held (:class:`~stopcock.adapters.diffusers_loop.LoopModels`).
+    A loop that checks the flag skips its remaining steps (path ``"interrupt"``); one that goes on is
+    fast-forwarded: its models answer from the stop step and its scheduler steps hold the sample they
+    are given (path ``"fast-forward"``). Either way the pipeline decodes and builds its output itself.
+    """
+
+    def __init__(
+        self,
+        pipe: Any,
+        control: RunControl,
+        partial: Partial | None = None,
+        stage: Stage | None = None,
+        *,
+        one_call: bool = True,
+    ) -> None:
         choice("partial", partial, PARTIALS, optional=True)
+        choice("stage", stage, STAGES, optional=True)
         refuse_row_conditions(control.condition, "a diffusers pipeline")
         self.pipe = pipe
         self.control = control
         self.partial = partial or "raw"
-        self.native = control.mode == "finish" and honours_interrupt(pipe)
-        self.mode = "finish" if self.native else "abort"
-        self.flagged = False  # we set pipe._interrupt
+        self.stage: Stage = stage or "next"
+        self.one_call = one_call  # run(): the pipeline is called once; attach(): maybe several times
+        self.models = LoopModels(list(self._models().values()))
+        self.owner: Any = pipe  # the pipeline whose loop runs now: the pipe, or a combined pipeline's stage
+        # progress
+        self.stepping: Any = None  # the scheduler (family) whose steps are counted: the current stage's
+        self.pos = 0  # loop iterations so far, fast-forwarded ones included
+        self.stage_end = math.inf  # the iteration at which the current stage's loop ends, when known
+        self.streams: list[Any] = []  # schedulers seen stepping beside the counted one
+        self.copies: list[weakref.ref[Any]] = []  # copies of the schedulers made during the run
+        self.denoiser: Any = None  # the first model called with a timestep: counted when no scheduler steps
+        self.denoiser_t: float | None = None
+        self.untimed = False  # no scheduler step: steps are counted where the denoiser's timestep moves
+        self.results_seen = False  # a scheduler step returned during the run
+        # the stop
+        self.stopped_in: Any = None  # the pipeline (or stage) whose loop the stop landed in
+        self.stop_family: Any = None
+        self.flagged: tuple[Any, bool] | None = None  # (pipeline whose _interrupt we raised, had it one)
+        self.answered_at_stop = 0
+        self.forwarding = False  # the stop step is over and the loop goes on: fast-forwarding
+        self.stage_over = False  # the stopped stage has ended: later stages run in full
+        self.fast_forwarded = 0  # loop iterations fast-forwarded
+        self.results: dict[int, Any] = {}  # id(scheduler) -> its result in the stop step: held steps' shape
+        self.stage_output: Any = _NOTHING  # what the stopped stage returned (stage="current")
         self.aborted = False
         self.latents: Any = None
         self.denoised: Any = None
-        self._last: tuple[_StepWrapper, tuple[Any, ...], dict[str, Any], Any] | None = None  # see _settle
-        self.safety: Tripwire | None = None
+        self._last: tuple[Any, Any, Any, Any] | None = None  # see _settle
         self.latents_kind: str | None = None  # "raw" or "denoised": what self.latents holds at a stop
-        self.stepping: Any = None  # the scheduler whose steps are counted (the current stage's)
-        self.stage_end = math.inf  # the step count at which the current stage ends, when known
-        self.streams: list[Any] = []  # schedulers seen stepping beside the counted one
         self.notes: list[str] = []
         self._stack = ExitStack()
 
@@ -235,16 +349,12 @@ class _Binding:
     def _models(self) -> dict[str, torch.nn.Module]:
         return {n: c for n, c in self._components.items() if isinstance(c, torch.nn.Module)}
 
-    def denoisers(self) -> list[torch.nn.Module]:
-        """The denoising models, found by component name (unet, transformer, prior, decoder, ...)."""
-        return [
-            m
-            for name, m in self._models().items()
-            if DENOISER_WORDS & set(name.split("_")) and not {"text", "vae"} & set(name.split("_"))
-        ]
-
     def schedulers(self) -> list[Any]:
         return list({id(c): c for c in self._components.values() if isinstance(c, SchedulerMixin)}.values())
+
+    def stages(self) -> dict[str, Any]:
+        """A combined pipeline's stages: its attributes that are pipelines (``prior_pipe``, ...)."""
+        return {name: v for name, v in vars(self.pipe).items() if isinstance(v, DiffusionPipeline)}
 
     # install / remove
     def __enter__(self) -> _Binding:
@@ -259,13 +369,19 @@ class _Binding:
         self._stack.callback(self._release)
         try:
             for scheduler in self.schedulers():
-                self._stack.enter_context(_wrapped_step(scheduler, self))
-            if self.native:
-                # Safety net, armed with the flag: a denoiser forward after it means the loop ignored it.
-                self.safety = self._stack.enter_context(Tripwire(self.denoisers(), self._after_flag))
-            # A check before every module call, armed once a stop makes it needed: abort (every
-            # pipeline but the native finish path), or an escalating finish-mode stop.
-            self._stack.enter_context(self.control.intercept(abort=not self.native))
+                for method in (_StepWrapper, _LoopStart):
+                    if hasattr(scheduler, method.method):  # ScoreSdeVe's has step_pred/step_correct
+                        wrapper = method(scheduler, self)
+                        self._stack.enter_context(_replaced(scheduler, method.method, wrapper))
+            self._stack.callback(self._unwrap_copies)
+            for name, stage in self.stages().items():
+                self._stack.enter_context(_replaced(self.pipe, name, _Stage(stage, self)))
+            self._stack.enter_context(self.models.recording())
+            self._stack.callback(self.models.release)
+            self._stack.enter_context(input_hooks(self.models.models, self._before_forward))
+            # A check before every module call, armed once a stop makes it needed: abort mode, or
+            # an escalating finish-mode stop.
+            self._stack.enter_context(self.control.intercept())
         except BaseException:
             self._stack.close()
             raise
@@ -275,11 +391,20 @@ class _Binding:
         with _active_lock:
             _active.discard(self.pipe)
 
+    def _unwrap_copies(self) -> None:
+        for ref in self.copies:
+            copy = ref()
+            for name in ("step", "set_timesteps"):
+                if copy is not None and isinstance(vars(copy).get(name), _SchedulerMethod):
+                    del vars(copy)[name]
+
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
         try:
+            if self.untimed and exc is None and self.stopped_in is None:
+                self.pos += 1  # the loop's last step ended with the call
+                self.control.step(timestep=self.denoiser_t)
             self._stack.close()
-            if hasattr(self.pipe, "_interrupt"):
-                self.pipe._interrupt = False
+            self._lower_flag()
             if exc is not None:  # the pipeline's own clean-up (its last line) did not run
                 _free_model_hooks(self.pipe)
         finally:
@@ -289,75 +414,241 @@ class _Binding:
             return True
         return False
 
-    def _after_flag(self, _module: torch.nn.Module) -> None:
-        if self.flagged:
-            if self.pipe._interrupt:  # still up: this loop ignored it (a new call resets it)
-                name = type(self.pipe).__name__
-                self.notes.append(f"{name} kept denoising after interrupt: aborted instead")
+    def _raise_flag(self) -> None:
+        """The loop's own interrupt flag, raised inside the call (so the pipeline's reset cannot lose it)."""
+        self.flagged = (self.owner, "_interrupt" in vars(self.owner))
+        self.owner._interrupt = True
+
+    def _lower_flag(self) -> None:
+        """``_interrupt`` is left False where the pipeline has one, and not added where it had none."""
+        if self.flagged is not None:
+            owner, had = self.flagged
+            if had:
+                owner._interrupt = False
             else:
-                self.notes.append("a call made after the stop was aborted before its first step")
-            self.mode = "abort"
+                vars(owner).pop("_interrupt", None)
+        if "_interrupt" in vars(self.pipe):
+            self.pipe._interrupt = False
+
+    def _abort_new_call(self) -> NoReturn:
+        self.notes.append("a call made after the stop was aborted before its first step")
+        raise Abort(self.control)
+
+    def _flag_lowered(self) -> bool:
+        """The pipeline lowered the flag we raised: it was called again (pipelines reset it first)."""
+        return self.flagged is not None and vars(self.flagged[0]).get("_interrupt") is False
+
+    def loop_starts(self, family: Any) -> None:
+        """A scheduler's ``set_timesteps``. Before the stop: the counted loop starting again is a next
+        chunk, whose steps add up. After it: another stage's loop ends the stopped stage (before that
+        loop computes anything); the stopped loop starting again is the next chunk of the same call (in
+        ``run``), or, in ``attach``, another call when the pipeline has no flag to say so."""
+        if self.stopped_in is None:
+            if family is self.stepping:  # the counted loop starts again (the next chunk): its steps add up
+                self.stepping = None
+            return
+        if self.stage_over:
+            return
+        has_flag = self.flagged is not None and self.flagged[1]
+        if self._flag_lowered() or (family is self.stop_family and not self.one_call and not has_flag):
+            self._abort_new_call()
+        if family is not self.stop_family:
+            self._end_stopped_stage(type(self.stopped_in).__name__)
+
+    def _answers(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether a held model answers a call (a new call, which lowered the flag, ends the run)."""
+        if self._flag_lowered():
+            self._abort_new_call()
+        if self.untimed and module is self.denoiser:
+            t = _timestep_of(module, args, kwargs)
+            if t is not None and t != self.denoiser_t:
+                self.denoiser_t = t
+                self.fast_forwarded += 1
+        return True
+
+    # loops with no scheduler step (ScoreSdeVe's predictor-corrector steps): counted by the denoiser
+    def _before_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.results_seen or self.untimed:  # a scheduler steps: counted there
+            return
+        t = _timestep_of(module, args, kwargs)
+        if t is None:
+            return
+        if self.denoiser is None:
+            self.denoiser, self.denoiser_t = module, t
+        elif module is self.denoiser and t != self.denoiser_t:
+            # A next timestep with no scheduler step since: this loop has none. From now on each call of
+            # the denoiser is checked before it computes (this one already does).
+            self.untimed = True
+            self._stack.enter_context(intercepted(module, "__call__", self._untimed_call))
+            self._untimed_step(t, args, computing=True)
+
+    def _untimed_call(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        t = _timestep_of(self.denoiser, args, kwargs)
+        if self.stopped_in is None and t is not None and t != self.denoiser_t:
+            self._untimed_step(t, args)
+            if self.stopped_in is not None:  # held now: this call answers too
+                return type(self.denoiser).__call__(self.denoiser, *args, **kwargs)
+        return call(*args, **kwargs)
+
+    def _untimed_step(self, t: float, args: tuple[Any, ...], computing: bool = False) -> None:
+        """The denoiser moved on to ``t``: the step at the previous timestep is done (``computing``: the
+        call that moved on is under way, too late to answer it)."""
+        previous, self.denoiser_t = self.denoiser_t, t
+        self.pos += 1
+        self.latents = next((a for a in args if isinstance(a, torch.Tensor)), None)  # the sample it gets
+        if not self.control.step(latents=self.latents, timestep=previous) or self.stage_over:
+            self.models.next_step()
+            return
+        self.latents_kind = "raw"
+        if self.control.mode == "abort":
+            raise Abort(self.control)
+        self.notes.append(
+            f"{type(self.owner).__name__} steps no scheduler: its steps were counted by the denoiser's"
+            " timestep; after the stop its loop went on with the models answering from the stop step,"
+            " so what it integrated from them is in the output"
+            + (" (a stop at the first step let one more denoiser call compute)" if computing else "")
+        )
+        if self.partial == "denoised":
+            self.notes.append("no denoised estimate without a scheduler step: kept the raw latents")
+        self.stopped_in = self.owner
+        self.fast_forwarded = 1  # the iteration that just began
+        self._raise_flag()
+        self.models.hold(self._answers)
+        self.models.next_step()
+        self.answered_at_stop = self.models.answered
+
+    # stages of a combined pipeline
+    def run_stage(self, stage: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        outer, self.owner = self.owner, stage
+        self.stepping, self.streams = None, []  # its loop is a stage of its own, even on a shared scheduler
+        try:
+            output = stage(*args, **kwargs)
+        finally:
+            self.owner = outer
+        if self.stopped_in is stage and not self.stage_over:
+            self._end_stopped_stage(type(stage).__name__, output)
+        return output
+
+    def _end_stopped_stage(self, name: str, output: Any = _NOTHING) -> None:
+        """The stage the stop landed in is over: the next one runs in full (``stage="next"``) or the run
+        ends here (``stage="current"``), with that stage's output when it is a pipeline of its own."""
+        self.stage_over = True
+        self.models.release()
+        if self.stage == "current":
+            self.stage_output = output
+            what = "its output" if output is not _NOTHING else "no output (built in a later loop)"
+            self.notes.append(f"stage='current': the run ended with the {name} stage, {what}")
             raise Abort(self.control)
 
     # events from the wrapped scheduler.step
+    def held(self, wrapper: _StepWrapper, sample: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The result of a fast-forwarded step (the ``sample`` it is given, held), or None: step for real."""
+        if self.stopped_in is None or self.stage_over:
+            return None
+        family = wrapper.family
+        next_iteration = family is self.stop_family and (wrapper.scheduler is family or self.models.forwarded)
+        if not self.forwarding:
+            if self.models.answered == self.answered_at_stop and not next_iteration:
+                return None  # the stop step's other streams and copies step for real
+            self.forwarding = True
+        if family is not self.stop_family and family not in self.streams and self.pos >= self.stage_end:
+            return None  # a next stage's first step
+        if next_iteration:
+            self.models.hold(self._answers)  # models first called after the stop answer from now on
+            self.models.next_step()
+            self.pos += 1
+            self.fast_forwarded += 1
+        result = self.results.get(id(wrapper.scheduler))
+        if result is None:  # not stepped in the stop step: one real step gives the shape of its results
+            result = self.results[id(wrapper.scheduler)] = wrapper.original(*args, **kwargs)
+        return _with_sample(result, result[0] if sample is None else sample)
+
     def step_done(
-        self, wrapper: _StepWrapper, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any
+        self, wrapper: _StepWrapper, model_output: Any, timestep: Any, sample: Any, result: Any
     ) -> Any:
+        family = wrapper.family
         scheduler = wrapper.scheduler
-        if scheduler is not self.stepping:
-            in_stage = self.stepping is not None and self.control.steps < self.stage_end
-            if in_stage or scheduler in self.streams:
+        self.results_seen = True
+        stopping = self.stopped_in is not None and not self.stage_over
+        if family is not self.stepping:
+            in_stage = self.stepping is not None and self.pos < self.stage_end
+            if in_stage or family in self.streams:
                 # A second stream stepped in the same loop (e.g. RFD4Proteina's): not a step of its own.
-                if scheduler not in self.streams:
-                    self.streams.append(scheduler)
-                return result
-            # A new stage (a combined pipeline's decoder after its prior): its steps add up.
-            remaining = _remaining_steps(scheduler, wrapper.named(args, kwargs)[1])
-            if self.stepping is None:
-                remaining = _cut_short(remaining, vars(self.pipe).get("_num_timesteps"))
-            self.stepping = scheduler
-            if remaining is not None:
-                self.stage_end = self.control.total = self.control.steps + remaining
+                if family not in self.streams:
+                    self.streams.append(family)
+                return self._as_stopped(scheduler, result, model_output, sample) if stopping else result
+            self._new_stage(wrapper, timestep)
+        elif stopping:
+            return self._as_stopped(scheduler, result, model_output, sample)  # the stop step's copies
+        elif scheduler is not family and not self.models.forwarded:
+            return result  # another copy stepped with no model call since: the same step (one per frame)
+        self.pos += 1
         if self.control.quiet_step(self.control.steps + 1):
-            self._last = (wrapper, args, kwargs, result)  # latents and x0 estimate, read if needed
+            self._last = (scheduler, model_output, sample, result)  # latents and x0 estimate, read if needed
+            self.models.next_step()
             return result
         self._last = None
-        model_output, timestep, sample = wrapper.named(args, kwargs)
         self.latents = result[0]
         self.denoised = _denoised(scheduler, model_output, sample, result)
         extra = {"denoised": self.denoised} if self.denoised is not None else {}
-        if not self.control.step(latents=self.latents, timestep=timestep, extra=extra):
+        if not self.control.step(latents=self.latents, timestep=timestep, extra=extra) or self.stage_over:
+            self.models.next_step()
             return result
-        self.latents_kind = "raw"
-        if self.partial == "denoised":
-            if self.denoised is None:
-                name = type(scheduler).__name__
-                self.notes.append(f"no denoised estimate from {name}: kept the raw latents")
-            else:
-                self.latents, self.latents_kind = self.denoised, "denoised"
-                result = _with_sample(result, self.denoised)
-        if not self.native:
+        return self._stop(wrapper, result)
+
+    def _new_stage(self, wrapper: _StepWrapper, timestep: Any) -> None:
+        """A new loop starts stepping (a combined pipeline's decoder after its prior): its steps add up."""
+        if self.stopped_in is not None and not self.stage_over:
+            self._end_stopped_stage(type(self.stopped_in).__name__)
+        remaining = _remaining_steps(wrapper.scheduler, timestep)
+        if self.stepping is None:  # the first loop, a combined pipeline's stage, a next chunk: set just now
+            remaining = _cut_short(remaining, vars(self.owner).get("_num_timesteps"))
+        self.stepping = wrapper.family
+        self.stage_end = math.inf if remaining is None else self.pos + remaining
+        if remaining is not None:
+            self.control.total = self.control.steps + remaining
+
+    def _stop(self, wrapper: _StepWrapper, result: Any) -> Any:
+        result = self._as_stopped(wrapper.scheduler, result, denoised=self.denoised)
+        self.latents_kind = "denoised" if self.denoised is not None and result[0] is self.denoised else "raw"
+        self.latents = result[0]
+        if self.control.mode == "abort":
             raise Abort(self.control)
-        self.pipe._interrupt = self.flagged = True
-        assert self.safety is not None
-        self.safety.arm()
+        self.stopped_in, self.stop_family = self.owner, wrapper.family
+        self._raise_flag()
+        self.models.hold(self._answers)
+        self.models.next_step()
+        self.answered_at_stop = self.models.answered
+        return result
+
+    def _as_stopped(
+        self, scheduler: Any, result: Any, model_output: Any = None, sample: Any = None, denoised: Any = None
+    ) -> Any:
+        """A step of the stop step: its result, with ``partial="denoised"`` the x0 estimate in place of
+        x_t; kept as the shape of this scheduler's fast-forwarded steps."""
+        if self.partial == "denoised":
+            if denoised is None:
+                denoised = _denoised(scheduler, model_output, sample, result)
+            if denoised is None:
+                note = f"no denoised estimate from {type(scheduler).__name__}: kept the raw latents"
+                if note not in self.notes:
+                    self.notes.append(note)
+            else:
+                result = _with_sample(result, denoised)
+        self.results[id(scheduler)] = result
         return result
 
     def _settle(self) -> None:
         """The latents and x0 estimate of the last step the fast path went past, read now: the
         scheduler has not stepped since (an abort inside the next step's forward, or the run's end)."""
         if self._last is not None:
-            wrapper, args, kwargs, result = self._last
+            scheduler, model_output, sample, result = self._last
             self._last = None
-            model_output, _, sample = wrapper.named(args, kwargs)
             self.latents = result[0]
-            self.denoised = _denoised(wrapper.scheduler, model_output, sample, result)
+            self.denoised = _denoised(scheduler, model_output, sample, result)
 
     def outcome(self, output: Any) -> Outcome:
         self._settle()
-        if self.control.mode == "finish" and not self.native and self.aborted:
-            name = type(self.pipe).__name__
-            self.notes.insert(0, f"{name} cannot finish early (it ignores interrupt): aborted instead")
         if self.aborted and self.latents_kind is None and self.latents is not None:
             # aborted inside a forward: the last finished step's latents, as partial= asks
             self.latents_kind = "raw"
@@ -366,28 +657,54 @@ class _Binding:
             elif self.partial == "denoised":
                 self.notes.append("no denoised estimate from the last step: kept the raw latents")
         stopped = self.control.seen
+        ended_stage = self.stage_output is not _NOTHING
+        aborted = self.aborted and not ended_stage
+        answered = self.models.answered
+        path = None  # not stopped, or stopped before the first step
+        if aborted and stopped:
+            path = "abort"
+        elif self.stopped_in is not None:
+            path = "fast-forward" if self.forwarding or answered else "interrupt"
+        if path == "fast-forward" and not self.untimed:
+            name = type(self.stopped_in).__name__
+            self.notes.insert(
+                0,
+                f"fast-forward: {name} went on with its loop after the stop, so its last"
+                f" {self.fast_forwarded} step(s) ran without computing ({answered} model call(s) answered"
+                " from the stop step, the sample held), then it built its output as usual",
+            )
+        if ended_stage:
+            output = self.stage_output
+        elif aborted:
+            output = None
         return self.control.outcome(
-            None if self.aborted else output,
-            mode=self.mode if stopped else self.control.mode,
+            output,
+            mode="abort" if aborted else self.control.mode,
             latents=self.latents,
             partial=(self.latents_kind or "raw") if stopped and self.latents is not None else None,
             detail="; ".join(self.notes) or None,
-            extra={"path": "interrupt" if self.native else "hooks", "denoised": self.denoised},
+            extra={
+                "path": path,
+                "denoised": self.denoised,
+                "fast_forwarded": self.fast_forwarded,
+                "answered": answered,
+            },
         )
 
 
 @contextmanager
-def _wrapped_step(scheduler: Any, binding: _Binding) -> Iterator[None]:
-    had_own = "step" in vars(scheduler)
-    previous = vars(scheduler).get("step")
-    scheduler.step = _StepWrapper(scheduler, binding)
+def _replaced(obj: Any, name: str, value: Any) -> Iterator[None]:
+    """``obj.name`` is ``value`` (an instance attribute) for the ``with`` block, then what it was."""
+    had_own = name in vars(obj)
+    previous = vars(obj).get(name)
+    vars(obj)[name] = value
     try:
         yield
     finally:
         if had_own:
-            scheduler.step = previous
+            vars(obj)[name] = previous
         else:
-            del scheduler.step
+            vars(obj).pop(name, None)
 
 
 def _free_model_hooks(pipe: Any) -> None:
@@ -436,7 +753,7 @@ class DiffusersAdapter:
     """The adapter for diffusers pipelines (see the module docstring)."""
 
     name = "diffusers"
-    options = frozenset({"partial"})
+    options = frozenset({"partial", "stage"})
 
     def accepts(self, target: object) -> bool:
         return _is_pipeline(target)
@@ -449,10 +766,10 @@ class DiffusersAdapter:
         control: RunControl,
         **options: Any,
     ) -> Outcome:
-        """The adapter behind ``stopcock.run(pipe, ...)`` for diffusers pipelines (``partial=``)."""
+        """Behind ``stopcock.run(pipe, ...)`` for diffusers pipelines (``partial=``, ``stage=``)."""
         _reject_generate_args(target, kwargs)
-        binding = _Binding(target, control, options.get("partial"))
-        if len(binding.schedulers()) == 1:  # a combined pipeline's stages add up, known as each one starts
+        binding = _Binding(target, control, options.get("partial"), options.get("stage"))
+        if len(binding.schedulers()) == 1 and not binding.stages():  # stages add up as each one starts
             control.total = _planned_steps(kwargs)
         output = None
         with binding:
@@ -491,16 +808,19 @@ def attach(
     mode: Mode = "finish",
     partial: Partial | None = None,
     on_step: Callable[[StepState], object] | None = None,
+    stage: Stage | None = None,
 ) -> Iterator[Handle]:
     """Stop the calls of ``pipe`` made inside the ``with`` block on ``stop``.
 
-    Installs what the pipeline needs (scheduler step wrapper, forward pre-hooks) and removes it on
-    exit. An abort raised inside the block ends the block quietly; ``handle.outcome`` says what happened.
+    Installs what the pipeline needs (scheduler wrappers, model hooks) and removes it on exit; a finish
+    works as in ``run`` (fast-forward included), and a call made after the stop is aborted before its
+    loop computes. An abort raised inside the block ends the block quietly; ``handle.outcome`` says
+    what happened.
     """
     if not _is_pipeline(pipe):
         raise TypeError(f"attach() takes a diffusers pipeline, got {type(pipe).__name__}")
     with RunControl(stop, mode=mode, on_step=on_step) as control:
-        binding = _Binding(pipe, control, partial)
+        binding = _Binding(pipe, control, partial, stage, one_call=False)
         handle = Handle()
         with binding:
             yield handle

@@ -4,9 +4,10 @@ Flow-insensitive and conservative: a name is resolved only when every assignment
 (``None`` aside) gives the same kind of value; anything else is unknown, and the rules stay quiet on
 unknown values. Tracked: imports from ``diffusers``, ``transformers``, ``threading`` and ``stopcock``;
 pipelines from ``X.from_pretrained``/``from_single_file``/``from_pipe``/``X(...)``, ``AutoPipelineFor...``,
-``DiffusionPipeline``; ``transformers.pipeline(...)``; transformers models from ``from_pretrained``;
-streamers and ``MaxTimeCriteria``; ``self.attr`` assigned in the methods of one class; parameter
-annotations.
+``DiffusionPipeline``; ``transformers.pipeline(...)``; transformers models from ``from_pretrained``,
+and wrapped by peft (``get_peft_model(model, ...)``, ``PeftModel.from_pretrained(model, ...)``: their
+``generate`` is the model's); streamers and ``MaxTimeCriteria``; ``self.attr`` assigned in the methods
+of one class; parameter annotations.
 """
 
 from __future__ import annotations
@@ -22,12 +23,17 @@ __all__ = ["Value", "Scope", "Resolver"]
 ScopeNode = ast.Module | ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda | ast.ClassDef
 FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef
 
-ROOTS = ("diffusers", "transformers", "threading", "stopcock")
+ROOTS = ("diffusers", "transformers", "threading", "stopcock", "peft")
 LOADERS = frozenset({"from_pretrained", "from_single_file", "from_pipe"})
 # Methods of a pipeline or model that return the object itself.
 PIPELINE_SELF = frozenset({"to"})
 MODEL_SELF = frozenset({"to", "cuda", "cpu", "half", "float", "bfloat16", "eval", "requires_grad_"})
 STREAMERS = frozenset({"TextIteratorStreamer", "AsyncTextIteratorStreamer"})
+# peft's wrappers of a transformers model (their first argument), whose generate() is the model's.
+PEFT_WRAPPERS = frozenset({
+    "get_peft_model", "PeftModel.from_pretrained", "PeftModelForCausalLM.from_pretrained",
+    "PeftModelForSeq2SeqLM.from_pretrained",
+})
 GENERATING_TASKS = frozenset(
     {"text-generation", "image-text-to-text", "text2text-generation", "summarization", "translation"}
 )
@@ -341,11 +347,15 @@ class Resolver:
                     return receiver
                 if receiver.kind == "transformers_model" and func.attr in MODEL_SELF:
                     return receiver
+                if f"{(receiver.imported('peft') or '').removeprefix('peft.')}.{func.attr}" in PEFT_WRAPPERS:
+                    return self._wrapped(expr, scope, seen)
                 if func.attr in LOADERS:
                     return _loaded(receiver, func.attr)
         callee = self._value(func, scope, seen)
         if not isinstance(callee, Value):
             return None
+        if (callee.imported("peft") or "").removeprefix("peft.") in PEFT_WRAPPERS:
+            return self._wrapped(expr, scope, seen)
         pipeline = _pipeline(callee.imported("diffusers"))
         if pipeline is not None:
             return pipeline
@@ -362,6 +372,13 @@ class Resolver:
             held = self._value(expr.args[0], scope, seen)
             return Value("max_time") if held == Value("max_time") else None
         return None
+
+    def _wrapped(self, call: ast.Call, scope: Scope, seen: frozenset[object]) -> Value | object | None:
+        """A peft wrapper of its first argument: a transformers model if that is one (``_SELF`` when it
+        is the name being resolved, ``model = get_peft_model(model, config)``)."""
+        inner = self._value(call.args[0], scope, seen) if call.args else None
+        model = isinstance(inner, Value) and inner.kind == "transformers_model"
+        return inner if inner is _SELF or model else None
 
     def _annotation(self, annotation: ast.expr | None, scope: Scope, seen: frozenset[object]) -> Value | None:
         """A parameter annotated with a pipeline class (``pipe: StableDiffusionPipeline``, ``X | None``)."""

@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
 from .deps import MAX_BODY_BYTES, ApiError, Keys, error_response
-from .engine import Engine, InvalidJob, JobNotFound, KindNotServed, QueueFull
+from .engine import Engine, InvalidJob, JobNotFound, JobStateConflict, KindNotServed, QueueFull
 from .jobs_api import jobs
 from .openai_api import openai
 
@@ -40,8 +40,9 @@ class _BodyLimit:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length", b"0")
-        too_large = not declared.isdigit() or int(declared) > MAX_BODY_BYTES
+        declared = dict(scope["headers"]).get(b"content-length", b"0").lstrip(b"0") or b"0"
+        # Digits first: int() of thousands of digits raises (Python's limit on int conversion).
+        too_large = not declared.isdigit() or len(declared) > 9 or int(declared) > MAX_BODY_BYTES
         body, more = bytearray(), True
         while more and not too_large:
             message = await receive()
@@ -103,6 +104,7 @@ def _install_errors(app: FastAPI) -> None:
         QueueFull: (429, "queue_full"),
         KindNotServed: (400, "model_not_served"),
         InvalidJob: (400, "invalid_job"),
+        JobStateConflict: (409, "job_state_conflict"),
     }
     for cls, (status, code) in statuses.items():
 

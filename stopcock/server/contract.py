@@ -8,38 +8,69 @@ implementation; a distributed engine is another, written against this module alo
 
 Job states: ``queued`` -> ``running`` -> ``stopping`` (a stop was requested) -> ``stopped`` |
 ``completed`` | ``failed``; a queued job that is stopped goes straight to ``stopped`` without
-running. Events (``Event.type``): ``queued``, ``started``, ``progress`` (step, total), ``text``
-(a chunk of generated text), ``preview`` (a PNG of the current step, base64), ``done`` (the
-final view, with the Outcome summary).
+running. A running job can also be held with its checkpoint: ``paused`` by its owner (until
+``resume``, which queues it again), or ``preempted`` by a job of higher ``priority`` (it waits in
+the queue and resumes from its checkpoint when a worker is free); a held job that is stopped ends
+at once as ``stopped``. Events (``Event.type``): ``queued``, ``started`` (``resumed_from``: the
+checkpoint's step when it resumes), ``progress`` (step, total), ``text`` (a chunk of generated
+text), ``preview`` (a PNG of the current step, base64), ``item`` (an item of a job with several
+prompts started or ended: index, prompt, state, reason, steps), ``paused`` and ``preempted`` (step,
+checkpoint_step), ``resumed`` (queued again), ``done`` (the final view, with the Outcome summary).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ..conditions import Condition
 from ..outcome import Outcome
 from ..signal import StopSignal
 from ..state import StepState
 
+if TYPE_CHECKING:
+    from ..checkpoint import Checkpoint
+
 __all__ = [
     "FINAL_STATES",
+    "HELD_STATES",
+    "PAUSED",
+    "PREEMPTED",
     "Backend",
     "Engine",
     "Event",
     "InvalidJob",
     "JobNotFound",
     "JobSpec",
+    "JobStateConflict",
     "JobView",
     "KindNotServed",
     "Lane",
+    "Pausable",
     "QueueFull",
+    "RESPONSE_ID_PREFIXES",
     "RunContext",
+    "job_id_of",
 ]
 
 FINAL_STATES = frozenset({"stopped", "completed", "failed"})
+#: A held job's state, which is also the reason its run was stopped with (its checkpoint is kept).
+PAUSED, PREEMPTED = "paused", "preempted"
+HELD_STATES = frozenset({PAUSED, PREEMPTED})
+
+#: The OpenAI-compatible responses' ids are the job id behind one of these prefixes; a job id never
+#: starts with one (nor with ``-``, which command-line tools read as an option): see
+#: :func:`stopcock.server.jobs.new_id`, which every engine uses.
+RESPONSE_ID_PREFIXES = ("cmpl-", "chatcmpl-")
+
+
+def job_id_of(public_id: str) -> str:
+    """The job id in ``public_id``: a job id as it is, or an OpenAI response id without its prefix."""
+    for prefix in RESPONSE_ID_PREFIXES:
+        if public_id.startswith(prefix):
+            return public_id[len(prefix) :]
+    return public_id
 
 
 class JobNotFound(LookupError):
@@ -58,13 +89,20 @@ class InvalidJob(ValueError):
     """The job does not fit the model (e.g. a prompt longer than its context)."""
 
 
+class JobStateConflict(RuntimeError):
+    """The job is not in a state that allows this (e.g. pausing a finished job): a 409."""
+
+
 @dataclass(frozen=True)
 class JobSpec:
     """What to run: validated, JSON-able, backend-agnostic.
 
-    ``prompt`` is the text prompt, or None when ``messages`` (chat) is given. ``params`` are the
-    generation parameters of the kind; ``stop`` the stop conditions as options (timeout, deadline,
-    max_steps, stop_strings: :func:`stopcock.conditions.from_options`).
+    ``prompt`` is the text prompt, or None when ``messages`` (chat) or ``prompts`` is given.
+    ``prompts`` are several prompts, run one after the other (the items of the job: each can be
+    skipped, and a stop can wait for the current one). ``params`` are the generation parameters of
+    the kind; ``stop`` the stop conditions as options (timeout, deadline, max_steps, stop_strings:
+    :func:`stopcock.conditions.from_options`), applied to each item's run. A job of higher
+    ``priority`` runs first, and preempts a running job of lower priority when every worker is busy.
     """
 
     kind: str
@@ -72,6 +110,8 @@ class JobSpec:
     params: Mapping[str, Any] = field(default_factory=dict)
     stop: Mapping[str, Any] = field(default_factory=dict)
     messages: tuple[Mapping[str, str], ...] | None = None
+    prompts: tuple[str, ...] | None = None
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -88,7 +128,9 @@ class Event:
 
 @dataclass(frozen=True)
 class JobView:
-    """A snapshot of a job, as the API shows it."""
+    """A snapshot of a job, as the API shows it. ``checkpoint_step`` is the step of the checkpoint a
+    held job keeps (None when it has none); ``saved_steps`` counts the steps its resumes did not
+    recompute; ``preemptions`` how often a higher-priority job preempted it."""
 
     id: str
     kind: str
@@ -102,6 +144,10 @@ class JobView:
     finished: float | None
     outcome: Mapping[str, Any] | None
     error: str | None
+    priority: int = 0
+    checkpoint_step: int | None = None
+    saved_steps: int = 0
+    preemptions: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -111,13 +157,16 @@ class RunContext(Protocol):
     """What a lane gets for one job from the engine that runs it.
 
     ``signal`` is the job's stop signal. The lane runs ``stopcock.run(..., stop=ctx.stop(conditions),
-    on_step=ctx.on_step(report), escalate_after=ctx.escalate_after)`` and reports text, previews and
-    the result through the others. ``escalate_after`` is the engine's grace period: a stop that a
-    step has not honoured after that many seconds aborts the run (None: never).
+    on_step=ctx.on_step(report), escalate_after=ctx.escalate_after, checkpoint=True)``, or, when
+    ``checkpoint`` is set (the job was paused or preempted), ``stopcock.resume(..., checkpoint,
+    record=True)`` with the same ``stop=`` and ``on_step=``; it reports text, previews and the result
+    through the others. ``escalate_after`` is the engine's grace period: a stop that a step has not
+    honoured after that many seconds aborts the run (None: never).
     """
 
     signal: StopSignal
     escalate_after: float | None
+    checkpoint: Checkpoint | None
 
     def stop(self, conditions: Iterable[Condition]) -> list[Condition | StopSignal]:
         """The run's ``stop=``: the job's signal (and what the engine needs to watch) and ``conditions``."""
@@ -135,15 +184,25 @@ class RunContext(Protocol):
 
     def set_result(self, **result: Any) -> None: ...
 
+    def item(self, index: int, prompt: str, outcome: Outcome | None = None) -> None:
+        """Publish that item ``index`` (of ``JobSpec.prompts``) started (``outcome`` None) or ended."""
+        ...
+
 
 class Lane(Protocol):
-    """A worker's own instance of one kind of model; runs one job at a time."""
+    """A worker's own instance of one kind of model; runs one job at a time. ``execute`` returns the
+    run's Outcome, with its ``checkpoint`` so that the job can be paused or preempted (a run stopped
+    for ``PAUSED``/``PREEMPTED`` without one ends as stopped)."""
 
     def execute(self, spec: JobSpec, ctx: RunContext) -> Outcome: ...
 
 
 class Backend(Protocol):
-    """One kind of model: checks a job before it is queued, and builds a lane per worker."""
+    """One kind of model: checks a job before it is queued, and builds a lane per worker.
+
+    A backend may also have ``validator()``: a light, picklable copy that only validates, which an
+    engine that queues jobs away from the model uses (the built-in backends have one; without it,
+    the Ray engine checks a job on the model replica, and an invalid job fails instead of a 400)."""
 
     kind: str
     name: str
@@ -158,7 +217,8 @@ class Engine(Protocol):
     """What the app needs from a job engine. ``owner`` scopes every lookup.
 
     ``models`` maps each served kind to ``{"id": ..., "description": ...}``. ``stop`` with
-    ``wait`` answers once the stop took effect (the run returned), with the final view.
+    ``wait`` answers once the stop took effect (the run returned), with the final view. An engine
+    that can hold jobs is also :class:`Pausable`.
     """
 
     models: Mapping[str, Mapping[str, str]]
@@ -169,7 +229,17 @@ class Engine(Protocol):
 
     async def list(self, owner: str, limit: int = 100) -> list[JobView]: ...
 
-    async def stop(self, job_id: str, owner: str, reason: str = "user", wait: bool = True) -> JobView: ...
+    async def stop(
+        self, job_id: str, owner: str, reason: str = "user", wait: bool = True, at: str = "now"
+    ) -> JobView:
+        """``at="now"``: stop at the next step (see the class docstring). ``at="item"``: let the
+        current item finish and start no other (``StopSignal.stop_after_item``); answers at once."""
+        ...
+
+    async def skip(self, job_id: str, owner: str) -> JobView:
+        """End the job's current item and go on with the next (``StopSignal.skip``; a job of one
+        item ends, reason ``"skipped"``); answers at once. A job not running is left as it is."""
+        ...
 
     async def wait(self, job_id: str, owner: str, timeout: float | None = None) -> JobView: ...
 
@@ -177,6 +247,24 @@ class Engine(Protocol):
 
     async def result(self, job_id: str, owner: str) -> dict[str, Any]: ...
 
-    def stats(self) -> dict[str, int]: ...
+    def stats(self) -> dict[str, int] | Awaitable[dict[str, int]]:
+        """Queue and worker counts: a dict, or an awaitable of one (an engine whose counts live
+        elsewhere, as the Ray engine's, which live in its registry)."""
+        ...
 
     async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class Pausable(Protocol):
+    """An engine's capability to hold jobs with their checkpoint (``LocalEngine`` has it).
+
+    ``pause`` holds the job (a running one at its next step, its worker then free; a queued one
+    leaves the queue) and answers once it is held; ``resume`` queues a paused job again, to continue
+    from its checkpoint. Both raise :class:`JobStateConflict` for a job that has ended, and the app
+    answers a 400 on an engine without the capability.
+    """
+
+    async def pause(self, job_id: str, owner: str) -> JobView: ...
+
+    async def resume(self, job_id: str, owner: str) -> JobView: ...

@@ -1,19 +1,25 @@
-"""What every route shares: API errors, keys and owners, the engine on ``app.state``, SSE framing."""
+"""What every route shares: API errors, keys and owners, the engine on ``app.state``, SSE framing,
+and what a client's going away does to its job."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Annotated, Any
 
+import anyio
 from fastapi import Depends, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.types import Receive, Scope, Send
 
-from .engine import Engine, Event
+from .engine import Engine, Event, JobView
 
-__all__ = ["MAX_BODY_BYTES", "ApiError", "Keys", "Owner", "engine_of", "error_response", "owner", "sse"]
+__all__ = [
+    "MAX_BODY_BYTES", "ApiError", "EventStream", "Keys", "Owner", "engine_of", "error_response", "owner",
+    "sse", "until_done_or_gone",
+]
 
 MAX_BODY_BYTES = 1 << 20
 
@@ -87,6 +93,47 @@ Owner = Annotated[str, Depends(owner)]
 
 def sse(event: Event) -> str:
     return f"id: {event.seq}\nevent: {event.type}\ndata: {json.dumps(event.to_json())}\n\n"
+
+
+async def until_done_or_gone(request: Request, engine: Engine, job_id: str, who: str) -> JobView:
+    """Wait for the job to end; if the client disconnects first, stop the job.
+
+    The server may tell of the disconnect (an ``http.disconnect`` message: uvicorn) or cancel the
+    handler (Ray Serve, at its next ``await``): either way the job is stopped."""
+    ended = False
+    try:
+        async with anyio.create_task_group() as group:
+
+            async def watch() -> None:
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+                await engine.stop(job_id, who, "disconnected", wait=False)
+
+            group.start_soon(watch)
+            view = await engine.wait(job_id, who)
+            ended = True
+            group.cancel_scope.cancel()
+    finally:
+        if not ended:  # cancelled (or failed) before the job ended: nobody is left to read it
+            with anyio.CancelScope(shield=True):
+                await engine.stop(job_id, who, "disconnected", wait=False)
+    return view
+
+
+class EventStream(StreamingResponse):
+    """Streams a job's events; when the response ends, however it ends (the client went away,
+    even before the first byte), ``on_end()`` runs, shielded from cancellation."""
+
+    def __init__(self, body: AsyncIterator[str], on_end: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_end = on_end
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._on_end()
 
 
 def error_response(

@@ -1,205 +1,58 @@
 """The in-process engine: a registry of generation jobs, a bounded queue, worker slots and the stop path.
 
-:class:`LocalEngine` implements :class:`~stopcock.server.contract.Engine` in one process:
-``concurrency`` worker threads, each with its own lane of the models, take jobs from a bounded FIFO
-queue. A worker takes the next job only once its current run has returned, so a stopped job frees
-its slot when its pipeline has actually stopped, never before, and two runs never overlap on one
-lane. The contract (specs, views, events, states, errors) is in :mod:`stopcock.server.contract`.
+:class:`LocalEngine` implements :class:`~stopcock.server.contract.Engine` (and
+:class:`~stopcock.server.contract.Pausable`) in one process: ``concurrency`` worker threads, each with
+its own lane of the models, take jobs from a bounded queue, highest ``priority`` first (in submission
+order within a priority). A worker takes the next job only once its current run has returned, so a
+stopped job frees its slot when its pipeline has actually stopped, never before, and two runs never
+overlap on one lane. Every run is checkpointed: a job can be paused (held with its checkpoint, its
+worker free) and resumed, and a job queued while every worker is busy preempts the lowest-priority
+running job below its own priority, which is checkpointed at its next step, waits in the queue and
+resumes where it was, with the result of an uninterrupted run. The contract (specs, views, events,
+states, errors) is in :mod:`stopcock.server.contract`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
+import itertools
 import logging
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from .._callbacks import Callbacks
-from .._wake import loop_waker
-from ..conditions import Condition
-from ..files import png_base64
-from ..outcome import Outcome
 from ..signal import StopSignal
-from ..state import StepState
+from . import jobs as _jobs
 from .contract import (
     FINAL_STATES,
+    HELD_STATES,
+    PAUSED,
+    PREEMPTED,
     Backend,
     Engine,
     Event,
     InvalidJob,
     JobNotFound,
     JobSpec,
+    JobStateConflict,
     JobView,
     KindNotServed,
     Lane,
     QueueFull,
     RunContext,
 )
+from .jobs import Job as _Job
 
 __all__ = ["LocalEngine"]
 # The contract's names, importable from here as before (``stopcock.server.engine.Engine``).
 __all__ += ["FINAL_STATES", "Backend", "Engine", "Event", "InvalidJob", "JobNotFound", "JobSpec", "JobView",
-            "KindNotServed", "Lane", "QueueFull", "RunContext"]
+            "KindNotServed", "Lane", "QueueFull", "RunContext", "JobStateConflict"]
 
 log = logging.getLogger("stopcock.server")
-
-class _Changes:
-    """A version counter that threads and event loops can wait on."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self.version = 0
-        self._wakers = Callbacks(self._cond)
-
-    def bump(self) -> None:
-        with self._cond:
-            self.version += 1
-            wakers = self._wakers.drain()
-            self._cond.notify_all()
-        for wake in wakers:
-            wake()
-
-    async def wait_past(self, version: int, timeout: float | None = None) -> None:
-        """Return once :attr:`version` exceeds ``version`` (or after ``timeout`` seconds)."""
-        future, wake = loop_waker()
-        with self._cond:
-            if self.version > version:
-                return
-            remove = self._wakers.add(wake)
-        try:
-            await asyncio.wait_for(future, timeout)
-        except asyncio.TimeoutError:
-            pass
-        finally:
-            remove()
-
-
-class _Job:
-    def __init__(self, spec: JobSpec, owner: str) -> None:
-        self.id = secrets.token_urlsafe(18)  # 144 random bits: unguessable
-        self.owner = owner
-        self.spec = spec
-        self.signal = StopSignal()
-        self.state = "queued"
-        self.step = 0
-        self.total: int | None = None
-        self.reason: str | None = None
-        self.stop_step: int | None = None  # the step the run had reached when a stop was first requested
-        self.created = time.time()
-        self.started: float | None = None
-        self.finished: float | None = None
-        self.outcome: dict[str, Any] | None = None
-        self.result: dict[str, Any] | None = None
-        self.error: str | None = None
-        self.events: list[Event | None] = []  # None: an older preview, dropped to bound memory
-        self.ended = False  # the done event has been emitted
-        self._last_preview: int | None = None
-        self.changes = _Changes()
-        self.lock = threading.Lock()
-
-    def emit(self, type_: str, **data: Any) -> None:
-        with self.lock:
-            if type_ == "preview":
-                if self._last_preview is not None:
-                    self.events[self._last_preview] = None
-                self._last_preview = len(self.events)
-            self.events.append(Event(len(self.events) + 1, type_, data))
-            self.ended = self.ended or type_ == "done"
-        self.changes.bump()
-
-    def reach(self, state: StepState) -> None:
-        with self.lock:
-            self.step, self.total = state.step, state.total
-
-    def request_stop(self, reason: str) -> None:
-        """Stop the job's signal, noting the step reached, under the lock that :class:`_Reached` takes:
-        the run's next check then either sees the stop or has reached ``stop_step`` first. So the run
-        ends at ``stop_step`` or ``stop_step + 1`` (the step in flight), never later."""
-        with self.lock:
-            if self.state not in FINAL_STATES and self.stop_step is None:
-                self.stop_step = self.step
-            if self.state == "running":
-                self.state = "stopping"
-            self.signal.stop(reason)  # its callbacks only forward the stop to the run: no lock taken
-
-    def view(self) -> JobView:
-        with self.lock:
-            return JobView(
-                id=self.id,
-                kind=self.spec.kind,
-                state=self.state,
-                step=self.step,
-                total=self.total,
-                reason=self.reason,
-                stop_step=self.stop_step,
-                created=self.created,
-                started=self.started,
-                finished=self.finished,
-                outcome=self.outcome,
-                error=self.error,
-            )
-
-
-class _Reached(Condition):
-    """Records the step at each check of the run, before the job's signal is checked (never stops
-    on its own): a stop request then reads the step the run has really reached (see
-    :meth:`_Job.request_stop`), not the one its ``on_step`` reported last."""
-
-    def __init__(self, job: _Job) -> None:
-        self._job = job
-
-    def check(self, state: StepState) -> str | None:
-        self._job.reach(state)
-        return None
-
-    def __repr__(self) -> str:
-        return "reached()"
-
-
-class _JobContext:
-    """The :class:`~stopcock.server.contract.RunContext` of one job run by this engine."""
-
-    def __init__(self, job: _Job, step_delay: float, escalate_after: float | None) -> None:
-        self._job = job
-        self.signal = job.signal
-        self.step_delay = step_delay
-        self.escalate_after = escalate_after
-
-    def stop(self, conditions: Iterable[Condition]) -> list[Condition | StopSignal]:
-        """The run's ``stop=``: the step recorder, the job's signal, then the job's own ``conditions``."""
-        return [_Reached(self._job), self.signal, *conditions]
-
-    def on_step(self, report: Callable[[StepState], None]) -> Callable[[StepState], None]:
-        """The ``on_step`` hook for the run: records the step, calls ``report(state)`` (text,
-        previews), emits ``progress``, then waits ``step_delay`` seconds (the test-only throttle)
-        unless stopped."""
-        job = self._job
-
-        def hook(state: StepState) -> None:
-            job.reach(state)  # also when a stop before its check kept _Reached from running
-            report(state)
-            job.emit("progress", step=state.step, total=state.total)
-            if self.step_delay:
-                self.signal.wait(self.step_delay)
-
-        return hook
-
-    def text(self, chunk: str, step: int) -> None:
-        if chunk:
-            self._job.emit("text", text=chunk, step=step)
-
-    def preview(self, image: Any, step: int) -> None:
-        """Publish a PIL image as the job's current preview."""
-        self._job.emit("preview", step=step, image=png_base64(image))
-
-    def set_result(self, **result: Any) -> None:
-        with self._job.lock:
-            self._job.result = result
-
 
 
 class LocalEngine:
@@ -242,7 +95,10 @@ class LocalEngine:
         self.step_delay = step_delay
         self._lock = threading.Condition()
         self._jobs: dict[str, _Job] = {}
-        self._queue: collections.deque[_Job] = collections.deque()
+        self._queue: list[_Job] = []  # kept in _key order
+        self._order: dict[str, int] = {}  # job id -> submission number, the order within a priority
+        self._numbers = itertools.count()
+        self._active: set[_Job] = set()  # the jobs the workers run
         self._finished: collections.deque[str] = collections.deque()
         self._running = 0
         self._closing = False
@@ -271,9 +127,8 @@ class LocalEngine:
             if len(self._queue) >= self.queue_size:
                 raise QueueFull(f"the queue is full ({self.queue_size} jobs waiting); try again later")
             self._jobs[job.id] = job
-            self._queue.append(job)
-            position = len(self._queue)
-            self._lock.notify()
+            self._order[job.id] = next(self._numbers)
+            position = self._enqueue(job)
         job.emit("queued", position=position)
         return job.view()
 
@@ -286,22 +141,72 @@ class LocalEngine:
             mine = [job for job in self._jobs.values() if secrets.compare_digest(job.owner, owner)]
         return [job.view() for job in reversed(mine[-limit:])]
 
-    async def stop(self, job_id: str, owner: str, reason: str = "user", wait: bool = True) -> JobView:
+    async def stop(
+        self, job_id: str, owner: str, reason: str = "user", wait: bool = True, at: str = "now"
+    ) -> JobView:
         """Stop a job; with ``wait``, answer once the stop took effect (or ``stop_wait`` passed).
 
         A queued job is removed from the queue and never runs; a running job stops at its next
-        step; a finished job is left as it is. Idempotent.
+        step, or with ``at="item"`` once its current item is done (answered at once, the job still
+        running); a held (paused or preempted) job ends at once, with the result of its last run; a
+        finished job is left as it is. Idempotent.
         """
         job = self._find(job_id, owner)
         with self._lock:
-            dequeued = job.state == "queued" and job in self._queue
-            if dequeued:
+            dequeued = job.state in HELD_STATES or (job.state == "queued" and job in self._queue)
+            if job in self._queue:
                 self._queue.remove(job)
+            if at == "item" and not dequeued:
+                job.signal.stop_after_item(reason)
+                return job.view()
             job.request_stop(reason)
         if dequeued:
-            self._finish(job, "stopped", reason, outcome=None, detail="stopped while queued: it never ran")
+            self._finish_held(job, reason)
         elif wait:
             await self._wait_final(job, self.stop_wait)
+        return job.view()
+
+    async def skip(self, job_id: str, owner: str) -> JobView:
+        """Skip the running job's current item; a queued or finished job is left as it is."""
+        job = self._find(job_id, owner)
+        if job.state == "running":
+            job.signal.skip()
+        return job.view()
+
+    async def pause(self, job_id: str, owner: str) -> JobView:
+        """Hold the job with its checkpoint, and answer once it is held (or it ended first).
+
+        A running job is checkpointed at its next step and its worker freed; a queued or preempted
+        one leaves the queue. Idempotent for a paused job; a job that has ended (or is being
+        stopped) raises :class:`JobStateConflict`.
+        """
+        job = self._find(job_id, owner)
+        with self._lock:
+            if job.state in FINAL_STATES or job.state == "stopping":
+                raise JobStateConflict(f"job {job_id} is {job.state}: only a queued or running job can pause")
+            job.pause_wanted = True
+            if job in self._queue:
+                self._queue.remove(job)
+                self._hold(job, PAUSED)
+            elif job.state == "running":
+                job.interrupt.stop(PAUSED)
+        await _jobs.wait_until(job, lambda: job.state in FINAL_STATES or job.state == PAUSED, self.stop_wait)
+        return job.view()
+
+    async def resume(self, job_id: str, owner: str) -> JobView:
+        """Queue a paused job again (it resumes from its checkpoint); idempotent for a job that is
+        already queued or running; :class:`JobStateConflict` for one that has ended."""
+        job = self._find(job_id, owner)
+        with self._lock:
+            if job.state in FINAL_STATES:
+                raise JobStateConflict(f"job {job_id} is {job.state}: only a paused job can resume")
+            if job.state != PAUSED:
+                return job.view()
+            job.pause_wanted = False
+            with job.lock:
+                job.state = "queued"
+            position = self._enqueue(job)
+        job.emit("resumed", position=position, checkpoint_step=job.view().checkpoint_step)
         return job.view()
 
     async def wait(self, job_id: str, owner: str, timeout: float | None = None) -> JobView:
@@ -312,17 +217,8 @@ class LocalEngine:
 
     async def events(self, job_id: str, owner: str, after: int = 0) -> AsyncIterator[Event]:
         """The job's events with ``seq > after``, as they come, up to ``done`` (none after it)."""
-        job = self._find(job_id, owner)
-        while True:
-            version = job.changes.version
-            with job.lock:
-                new = [e for e in job.events[after:] if e is not None]
-                after, ended = len(job.events), job.ended
-            for event in new:
-                yield event
-            if ended:
-                return
-            await job.changes.wait_past(version)
+        async for event in _jobs.events(self._find(job_id, owner), after):
+            yield event
 
     async def result(self, job_id: str, owner: str) -> dict[str, Any]:
         """The job's view and what it generated (None until it has ended)."""
@@ -348,14 +244,13 @@ class LocalEngine:
         """Stop every job (reason ``"shutdown"``) and join the workers."""
         with self._lock:
             self._closing = True
-            queued, self._queue = list(self._queue), collections.deque()
+            queued, self._queue = self._queue, []
+            queued += [j for j in self._jobs.values() if j.state == PAUSED]
             running = [j for j in self._jobs.values() if j.state in ("running", "stopping")]
             self._lock.notify_all()
         for job in queued:
             job.request_stop("shutdown")
-            self._finish(
-                job, "stopped", "shutdown", outcome=None, detail="stopped while queued: it never ran"
-            )
+            self._finish_held(job, "shutdown")
         for job in running:
             job.request_stop("shutdown")
         for worker in self._workers:
@@ -369,15 +264,42 @@ class LocalEngine:
         return job
 
     async def _wait_final(self, job: _Job, timeout: float | None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            version = job.changes.version
-            if job.state in FINAL_STATES:
+        await _jobs.wait_final(job, timeout)
+
+    def _key(self, job: _Job) -> tuple[int, int]:
+        """Queue order: higher priority first, then submission order."""
+        return (-job.spec.priority, self._order[job.id])
+
+    def _enqueue(self, job: _Job) -> int:
+        """Queue ``job`` in priority order (under ``_lock``), preempting for it if it has to; its position."""
+        bisect.insort(self._queue, job, key=self._key)
+        self._lock.notify()
+        self._preempt()
+        return self._queue.index(job) + 1
+
+    def _preempt(self) -> None:
+        """Under ``_lock``: for each queued job that no free (or freeing) worker will take, preempt the
+        lowest-priority running job below its priority, the most recently started first."""
+        freeing = sum(job.interrupt.stopped for job in self._active)
+        free = len(self._workers) - self._running + freeing
+        for waiting in self._queue[max(free, 0) :]:
+            victims = [
+                j for j in self._active if not j.interrupt.stopped and j.spec.priority < waiting.spec.priority
+            ]
+            if not victims:
                 return
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return
-            await job.changes.wait_past(version, left)
+            victim = min(victims, key=lambda j: (j.spec.priority, -(j.started or 0.0)))
+            victim.interrupt.stop(PREEMPTED)
+
+    def _hold(self, job: _Job, state: str) -> None:
+        """Under ``_lock``: the job is held (paused, or preempted and queued again) with its checkpoint."""
+        with job.lock:
+            job.state = state
+        if state == PREEMPTED:
+            job.preemptions += 1
+            bisect.insort(self._queue, job, key=self._key)
+            self._lock.notify()
+        job.emit(state, step=job.step, checkpoint_step=job.view().checkpoint_step)
 
     def _work(self, lanes: Mapping[str, Lane]) -> None:
         while True:
@@ -386,37 +308,45 @@ class LocalEngine:
                     self._lock.wait()
                 if self._closing and not self._queue:
                     return
-                job = self._queue.popleft()
+                job = self._queue.pop(0)
                 self._running += 1
+                self._active.add(job)
                 with job.lock:
                     job.state = "stopping" if job.signal.stopped else "running"
-                    job.started = time.time()
-            ended: tuple[str, str, dict[str, Any] | None, str | None] | None = None
+                    job.started = job.started or time.time()
+                    job.interrupt = StopSignal()
+            ended: _jobs.Ended | None = None
             try:
                 ended = self._run(job, lanes[job.spec.kind])
             finally:  # the slot is free once the run has returned; then the job's end is told
+                interrupted = ("failed", "error", None, "the worker was interrupted")
+                state, reason, summary, error = ended or interrupted
                 with self._lock:
                     self._running -= 1
-                state, reason, summary, error = ended or (
-                    "failed",
-                    "error",
-                    None,
-                    "the worker was interrupted",
-                )
-                self._finish(job, state, reason, outcome=summary, error=error)
+                    self._active.discard(job)
+                    held = state in HELD_STATES and not job.signal.stopped and not self._closing
+                    if held:
+                        self._hold(job, PAUSED if job.pause_wanted else state)
+                if not held and state in HELD_STATES:  # stopped (or shut down) while being held
+                    self._finish_held(job, job.signal.reason or "shutdown")
+                elif not held:
+                    self._finish(job, state, reason, outcome=summary, error=error)
 
-    def _run(self, job: _Job, lane: Lane) -> tuple[str, str, dict[str, Any] | None, str | None]:
-        """Run the job; returns its final state, reason, Outcome summary and error."""
-        job.emit("started")
-        try:
-            outcome = lane.execute(job.spec, _JobContext(job, self.step_delay, self.stop_grace))
-        except Exception as exc:  # the job reports it as failed; the worker lives on
-            log.exception("job %s failed", job.id)
-            return "failed", "error", None, f"{type(exc).__name__}: {exc}"
+    def _run(self, job: _Job, lane: Lane) -> _jobs.Ended:
+        """Run the job (or resume it); returns its final or held state, reason, Outcome summary and error."""
+        return _jobs.run_lane(job, lane, self.step_delay, self.stop_grace)
+
+    def _finish_held(self, job: _Job, reason: str) -> None:
+        """End a job that is not running (queued, paused, preempted) as stopped for ``reason``: with
+        the Outcome and result of its last run, if it had one."""
         with job.lock:
-            job.step = outcome.steps
-            job.total = outcome.total_steps
-        return "stopped" if outcome.stopped else "completed", outcome.reason, outcome.summary(), None
+            state, summary = job.state, job.outcome
+        if summary is None:
+            self._finish(job, "stopped", reason, outcome=None, detail="stopped while queued: it never ran")
+            return
+        detail = f"stopped while {state}, at step {summary['steps']}"
+        summary = {**summary, "stopped": True, "reason": reason, "detail": detail}
+        self._finish(job, "stopped", reason, outcome=summary)
 
     def _finish(
         self,
@@ -428,19 +358,10 @@ class LocalEngine:
         detail: str | None = None,
         error: str | None = None,
     ) -> None:
-        with job.lock:
-            if outcome is None:  # it never ran, or failed: say so in the same shape
-                outcome = Outcome.without_output(
-                    StepState(step=job.step, total=job.total),
-                    reason=reason,
-                    stopped=state == "stopped",
-                    elapsed=0.0 if job.started is None else time.time() - job.started,
-                    detail=detail or error,
-                ).summary()
-            job.state, job.reason, job.finished = state, reason, time.time()
-            job.outcome, job.error = outcome, error
-        job.emit("done", **job.view().to_json())
+        _jobs.finish(job, state, reason, outcome=outcome, detail=detail, error=error)
         with self._lock:
             self._finished.append(job.id)
             while len(self._finished) > self.retain:
-                self._jobs.pop(self._finished.popleft(), None)
+                forgotten = self._finished.popleft()
+                self._jobs.pop(forgotten, None)
+                self._order.pop(forgotten, None)

@@ -1,20 +1,37 @@
-"""The job API: submit, read, follow, stop and collect generation jobs (``/v1/jobs``)."""
+"""The job API: submit, read, follow, stop and collect generation jobs (``/v1/jobs``).
+
+A job is named by its id or by the id of the OpenAI-compatible response that started it
+(``cmpl-<id>``, ``chatcmpl-<id>``): both work as they are.
+
+A job runs on whether or not anyone follows it (it is collected later; an event stream can be
+resumed), unless its client says otherwise: ``/events?stop_on_disconnect=true`` and
+``/result?wait=true`` stop the job (reason ``"disconnected"``) when that client goes away first.
+"""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Body, Query, Request
-from fastapi.responses import StreamingResponse
+from fastapi import APIRouter, Body, Depends, Header, Query, Request
 
-from .deps import ApiError, Owner, engine_of, sse
+from .contract import Pausable, job_id_of
+from .deps import ApiError, EventStream, Owner, engine_of, sse, until_done_or_gone
 from .engine import FINAL_STATES
-from .schemas import JobRequest
+from .schemas import MAX_EVENT_ID, JobRequest
 
 __all__ = ["jobs"]
 
 jobs = APIRouter(prefix="/v1", tags=["jobs"])
+
+
+async def _job_id(job_id: str) -> str:  # async: run on the event loop, not in a worker thread
+    return job_id_of(job_id)
+
+
+#: The ``{job_id}`` of a path: a job id, or the id of the OpenAI response that started the job.
+JobId = Annotated[str, Depends(_job_id)]
 
 
 @jobs.post("/jobs", status_code=201)
@@ -33,24 +50,67 @@ async def list_jobs(
 
 
 @jobs.get("/jobs/{job_id}")
-async def get_job(request: Request, who: Owner, job_id: str) -> dict[str, Any]:
+async def get_job(request: Request, who: Owner, job_id: JobId) -> dict[str, Any]:
     """The job's state, step, total and reason."""
     return (await engine_of(request).get(job_id, who)).to_json()
 
 
 @jobs.post("/jobs/{job_id}/stop")
-async def stop_job(request: Request, who: Owner, job_id: str) -> dict[str, Any]:
+async def stop_job(
+    request: Request, who: Owner, job_id: JobId, at: Annotated[Literal["now", "item"], Query()] = "now"
+) -> dict[str, Any]:
     """Stop this job (only this one) and answer with its state once the stop took effect.
 
-    Idempotent; a queued job is removed without running; a finished job answers as it ended.
+    ``?at=item``: let the current item (prompt) finish and start no other; answered at once, while
+    the item runs. Idempotent; a queued job is removed without running; a finished job answers as
+    it ended.
     """
-    return (await engine_of(request).stop(job_id, who, "user")).to_json()
+    return (await engine_of(request).stop(job_id, who, "user", at=at)).to_json()
+
+
+@jobs.post("/jobs/{job_id}/skip")
+async def skip_job(request: Request, who: Owner, job_id: JobId) -> dict[str, Any]:
+    """End the job's current item (prompt) and go on with the next; a job of one prompt ends
+    (reason ``"skipped"``). Answered at once; a job not running is left as it is."""
+    return (await engine_of(request).skip(job_id, who)).to_json()
+
+
+def _pausable(request: Request) -> Pausable:
+    engine = engine_of(request)
+    if not isinstance(engine, Pausable):
+        raise ApiError(400, f"this server's engine ({type(engine).__name__}) cannot pause jobs",
+                       code="not_supported")
+    return engine
+
+
+@jobs.post("/jobs/{job_id}/pause")
+async def pause_job(request: Request, who: Owner, job_id: JobId) -> dict[str, Any]:
+    """Pause this job: a running one is checkpointed at its next step and its worker freed (the
+    checkpoint stays on the server); answers once it is paused. 409 for a job that has ended; 400
+    on an engine that cannot pause jobs."""
+    return (await _pausable(request).pause(job_id, who)).to_json()
+
+
+@jobs.post("/jobs/{job_id}/resume")
+async def resume_job(request: Request, who: Owner, job_id: JobId) -> dict[str, Any]:
+    """Resume a paused job: it is queued again and continues from its checkpoint, with the result
+    of a run never paused. 409 for a job that has ended; 400 on an engine that cannot pause jobs."""
+    return (await _pausable(request).resume(job_id, who)).to_json()
 
 
 @jobs.get("/jobs/{job_id}/result")
-async def job_result(request: Request, who: Owner, job_id: str) -> dict[str, Any]:
-    """The final state and the generated text or image (PNG, base64); 409 while it runs."""
-    found = await engine_of(request).result(job_id, who)
+async def job_result(
+    request: Request, who: Owner, job_id: JobId, wait: Annotated[bool, Query()] = False
+) -> dict[str, Any]:
+    """The final state and the generated text or image (PNG, base64); 409 while it runs.
+
+    ``wait=true`` answers once the job has ended instead, and stops it (reason ``"disconnected"``)
+    if this client goes away first: a blocking call whose work ends with its caller."""
+    engine = engine_of(request)
+    if wait:
+        await engine.get(job_id, who)  # 404 now
+        await until_done_or_gone(request, engine, job_id, who)
+    found = await engine.result(job_id, who)
     if found["job"]["state"] not in FINAL_STATES:
         raise ApiError(
             409,
@@ -62,23 +122,39 @@ async def job_result(request: Request, who: Owner, job_id: str) -> dict[str, Any
 
 @jobs.get("/jobs/{job_id}/events")
 async def job_events(
-    request: Request, who: Owner, job_id: str, after: Annotated[int, Query(ge=0)] = 0
-) -> StreamingResponse:
-    """Server-sent events: queued, started, progress, text, preview, done.
+    request: Request,
+    who: Owner,
+    job_id: JobId,
+    after: Annotated[int, Query(ge=0, le=MAX_EVENT_ID)] = 0,
+    last_event_id: Annotated[
+        str | None,
+        Header(alias="Last-Event-ID", pattern=r"^[0-9]{0,18}$", description="resume after this event's id"),
+    ] = None,
+    stop_on_disconnect: Annotated[bool, Query()] = False,
+) -> EventStream:
+    """Server-sent events: queued, started, progress, text, preview, paused, preempted, resumed, done.
 
-    Resume with ``?after=SEQ`` or the ``Last-Event-ID`` header. Closing this stream does not stop
-    the job (use ``/stop``).
+    Resume with ``?after=SEQ`` or the ``Last-Event-ID`` header (an event's id: ASCII digits; an
+    empty one means from the start). Closing this stream does not stop the job (use ``/stop``),
+    unless ``stop_on_disconnect=true``: then a stream that ends before the ``done`` event, however
+    it ends, stops the job (reason ``"disconnected"``).
     """
     engine = engine_of(request)
     await engine.get(job_id, who)  # 404 now, not inside the stream
-    last = request.headers.get("last-event-id", "")
-    start = max(after, int(last) if last.isdigit() else 0)
+    start = max(after, int(last_event_id or 0))
+    done = False
 
     async def body() -> AsyncIterator[str]:
+        nonlocal done
         async for event in engine.events(job_id, who, start):
             yield sse(event)
+            done = event.type == "done"
 
-    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    async def on_end() -> None:
+        if stop_on_disconnect and not done:
+            await engine.stop(job_id, who, "disconnected", wait=False)
+
+    return EventStream(body(), on_end)
 
 
 @jobs.get("/models")
@@ -104,4 +180,7 @@ async def list_models(request: Request, who: Owner) -> dict[str, Any]:
 @jobs.get("/health")
 async def health(request: Request, who: Owner) -> dict[str, Any]:
     """Queue and worker counts."""
-    return {"status": "ok", **engine_of(request).stats()}
+    counts = engine_of(request).stats()
+    if inspect.isawaitable(counts):  # an engine whose counts live elsewhere (the Ray engine's registry)
+        counts = await counts
+    return {"status": "ok", **counts}

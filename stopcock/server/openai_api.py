@@ -1,26 +1,24 @@
 """OpenAI-compatible endpoints over the same jobs: completions, chat completions, images.
 
-Each request is a job (its id is the response id without the ``cmpl-``/``chatcmpl-``/``img-``
-prefix, so ``POST /v1/jobs/{id}/stop`` stops it too). When the client goes away, streaming or
-not, the job is stopped with reason ``"disconnected"``: no orphan compute. ``stop`` sequences are
-cut from the returned text, as OpenAI does. ``finish_reason`` is ``"stop"`` for a stop sequence,
-end of text or a stop request, ``"length"`` for ``max_tokens``, a timeout or a step limit. Each
-response also carries a ``stopcock`` object: the run's Outcome summary (reason, steps, latency).
+Each request is a job; the response id is the job id behind a ``cmpl-``/``chatcmpl-`` prefix, and
+the job API takes it as it is (``POST /v1/jobs/{response id}/stop`` stops it). When the client goes
+away, streaming or not, the job is stopped with reason ``"disconnected"``: no orphan compute.
+``stop`` sequences are cut from the returned text, as OpenAI does. ``finish_reason`` is ``"stop"``
+for a stop sequence, end of text or a stop request, ``"length"`` for ``max_tokens``, a timeout or a
+step limit. Each response also carries a ``stopcock`` object: the run's Outcome summary (reason,
+steps, latency).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
-import anyio
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
 
-from .deps import ApiError, Owner, engine_of
-from .engine import Engine, JobSpec, JobView
+from .deps import ApiError, EventStream, Owner, engine_of, until_done_or_gone
+from .engine import JobSpec, JobView
 from .schemas import ChatRequest, CompletionRequest, ImageRequest
 
 __all__ = ["StopTrimmer", "finish_reason", "openai"]
@@ -76,25 +74,10 @@ def _model(request: Request, kind: str, asked: str | None) -> str:
     return served["id"]
 
 
-async def _until_done_or_gone(request: Request, engine: Engine, job_id: str, who: str) -> JobView:
-    """Wait for the job to end; if the client disconnects first, stop the job."""
-    async with anyio.create_task_group() as group:
-
-        async def watch() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            await engine.stop(job_id, who, "disconnected", wait=False)
-
-        group.start_soon(watch)
-        view = await engine.wait(job_id, who)
-        group.cancel_scope.cancel()
-    return view
-
-
 async def _final(request: Request, spec: JobSpec, who: str) -> tuple[JobView, dict[str, Any]]:
     engine = engine_of(request)
     view = await engine.submit(spec, who)
-    view = await _until_done_or_gone(request, engine, view.id, who)
+    view = await until_done_or_gone(request, engine, view.id, who)
     if view.state == "failed":
         raise ApiError(500, f"generation failed: {view.error}", "server_error", "generation_failed")
     return view, (await engine.result(view.id, who))["result"] or {}
@@ -181,23 +164,7 @@ async def _text(request: Request, body: CompletionRequest | ChatRequest, who: st
         if not done:  # the client went away: stop the generation, without waiting for it
             await engine.stop(view.id, who, "disconnected", wait=False)
 
-    return _JobStream(events(), stop_if_unfinished)
-
-
-class _JobStream(StreamingResponse):
-    """Streams a job's events; when the response ends, however it ends (the client went away,
-    even before the first byte), ``on_end()`` runs, shielded from cancellation."""
-
-    def __init__(self, body: AsyncIterator[str], on_end: Callable[[], Awaitable[None]]) -> None:
-        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self._on_end = on_end
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self._on_end()
+    return EventStream(events(), stop_if_unfinished)
 
 
 @openai.post("/completions")

@@ -1,7 +1,9 @@
 """Request bodies, with the server's limits: every violation is a 422 with a JSON error.
 
 Unknown fields are rejected (``extra="forbid"``) rather than silently ignored, so a client asking
-for something this server does not do (``echo``, ``logprobs``, ``n > 1``...) is told so.
+for something this server does not do (``echo``, ``logprobs``, ``n > 1``...) is told so. Types are
+strict: a number field takes a JSON number (``true`` is not 1, ``"5"`` is not 5), an integer field
+an integer.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from .contract import JobSpec
 
 # Limits. Prompt length is also checked in tokens against the model (see the text lane).
 MAX_PROMPT_CHARS = 4000
+MAX_PROMPTS = 16  # prompts of one job
 MAX_TOKENS = 1024
 MAX_STEPS = 200
 MAX_IMAGE_SIDE = 512
@@ -25,6 +28,11 @@ MAX_STOP_STRING_CHARS = 64
 MAX_TIMEOUT_S = 3600.0
 MAX_MESSAGES = 64
 MAX_SEED = 2**32 - 1
+MAX_PRIORITY = 100
+MAX_EVENT_ID = 10**18 - 1  # an event id (``after=``, ``Last-Event-ID``) has at most 18 digits
+#: Temperatures below this sample as greedy decoding does (their limit): dividing the scores by a
+#: smaller one overflows to infinities, and a tiny positive one must not fail the job.
+MIN_SAMPLING_TEMPERATURE = 1e-5
 
 Prompt = Annotated[str, StringConstraints(min_length=1, max_length=MAX_PROMPT_CHARS)]
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
@@ -33,7 +41,7 @@ Side = Annotated[int, Field(ge=64, le=MAX_IMAGE_SIDE, multiple_of=64)]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StopConditions(Strict):
@@ -58,7 +66,9 @@ class StopConditions(Strict):
 
 class TextParameters(Strict):
     max_tokens: int = Field(default=64, ge=1, le=MAX_TOKENS, description="new tokens at most")
-    temperature: float = Field(default=0.0, ge=0, le=2, description="0 = greedy")
+    temperature: float = Field(
+        default=0.0, ge=0, le=2, description=f"0 = greedy (and below {MIN_SAMPLING_TEMPERATURE:g})"
+    )
     top_p: float = Field(default=1.0, gt=0, le=1)
     seed: Seed | None = None
 
@@ -77,16 +87,32 @@ class ImageParameters(Strict):
 
 
 class _JobBody(Strict):
-    """A job body; each kind narrows ``kind`` and ``parameters``."""
+    """A job body; each kind narrows ``kind`` and ``parameters``. ``prompt``, or ``prompts``: several,
+    run one after the other (each can be skipped; a stop can wait for the current one)."""
 
     kind: str
-    prompt: Prompt
+    prompt: Prompt | None = None
+    prompts: list[Prompt] | None = Field(default=None, min_length=1, max_length=MAX_PROMPTS)
     parameters: Strict
     stop: StopConditions = Field(default_factory=lambda: StopConditions())
+    priority: int = Field(
+        default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY,
+        description="higher runs first; when every worker is busy, it preempts a running job of lower"
+        " priority, which resumes afterwards where it was",
+    )
+
+    @model_validator(mode="after")
+    def _one_prompt_field(self) -> _JobBody:
+        if (self.prompt is None) == (self.prompts is None):
+            raise ValueError("give either prompt (one) or prompts (a list), not both and not neither")
+        return self
 
     def spec(self) -> JobSpec:
+        prompts = None if self.prompts is None else tuple(self.prompts)
         return JobSpec(
-            self.kind, self.prompt, self.parameters.model_dump(), self.stop.model_dump(exclude_none=True)
+            self.kind, self.prompt, self.parameters.model_dump(), self.stop.model_dump(exclude_none=True),
+            prompts=prompts,
+            priority=self.priority,
         )
 
 
@@ -115,7 +141,9 @@ JobRequest = Annotated[TextJob | ImageJob, Field(discriminator="kind")]
 class _OpenAIText(Strict):
     model: Annotated[str, StringConstraints(max_length=256)]
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
-    temperature: float = Field(default=1.0, ge=0, le=2)
+    temperature: float = Field(
+        default=1.0, ge=0, le=2, description=f"0 = greedy (and below {MIN_SAMPLING_TEMPERATURE:g})"
+    )
     top_p: float = Field(default=1.0, gt=0, le=1)
     n: Literal[1] = Field(default=1, description="only one choice per request is supported")
     stream: bool = False

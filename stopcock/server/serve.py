@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import socket
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
@@ -70,6 +70,16 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="a stop waits this long for the running step to end, then aborts it at the next module"
         " call, keeping the last finished step's result (default: %(default)s)",
     )
+    ray = parser.add_argument_group("scale-out on Ray Serve (pip install 'stopcock[ray]')")
+    ray.add_argument(
+        "--engine", choices=("local", "ray"), default="local",
+        help="local: one process (default); ray: Ray Serve replicas (--concurrency is then per replica)",
+    )
+    ray.add_argument(
+        "--ray-address", metavar="ADDR", help="join this Ray cluster (e.g. auto); default: start a local one"
+    )
+    ray.add_argument("--replicas", type=_positive, default=1, metavar="N", help="model replicas per kind")
+    ray.add_argument("--ingress-replicas", type=_positive, default=1, metavar="N", help="HTTP replicas")
     parser.set_defaults(func=serve)
     return parser
 
@@ -87,16 +97,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def read_keys(args: argparse.Namespace) -> list[str]:
-    if args.api_keys_file is None:
-        return list(args.api_key or [])
+    """The keys of ``--api-key`` or ``--api-keys-file``."""
+    from .keyfile import read_key_file
+
+    return list(args.api_key or []) if args.api_keys_file is None else read_key_file(args.api_keys_file)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port``, before anything loads: a port in use is a one-line error."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
-        lines = Path(args.api_keys_file).read_text("utf-8").splitlines()
+        return socket.create_server((host, port), family=family)
     except OSError as exc:
-        raise UserError(f"cannot read --api-keys-file: {exc}") from None
-    keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
-    if not keys:
-        raise UserError(f"--api-keys-file {args.api_keys_file} holds no keys (one per line, # for comments)")
-    return keys
+        raise UserError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}; stop what uses it or pass another --port"
+        ) from None
 
 
 def _loopback(host: str) -> bool:
@@ -114,17 +129,39 @@ def serve(args: argparse.Namespace) -> int:
     """
     try:
         keys = read_keys(args)
-        backends = _load(args, keys)
+        sock = listen(args.host, args.port)  # before the models load: a port in use fails at once
     except UserError as exc:
         print(f"stopcock serve: error: {exc}", file=sys.stderr)
         return 1
-    _run(args, keys, backends)
+    with sock:
+        try:
+            if getattr(args, "engine", "local") == "ray":
+                _check(args, keys)
+                sock.close()  # Ray Serve's proxy binds the port itself: it was free a moment ago
+                from .ray_deploy import serve_forever
+
+                serve_forever(args, keys, step_delay=_step_delay())
+                return 0
+            backends = _load(args, keys)
+            _run(args, keys, backends, sock)
+        except UserError as exc:
+            print(f"stopcock serve: error: {exc}", file=sys.stderr)
+            return 1
     return 0
+
+
+def _step_delay() -> float:
+    return float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
 
 
 def _load(args: argparse.Namespace, keys: list[str]) -> dict[str, Any]:
     from .backends import load_backends
 
+    _check(args, keys)
+    return load_backends(args.text_model, args.image_model)
+
+
+def _check(args: argparse.Namespace, keys: list[str]) -> None:
     if any(not k.strip() for k in keys):
         raise UserError("an API key cannot be empty or blank")
     if not keys and not _loopback(args.host):
@@ -133,10 +170,9 @@ def _load(args: argparse.Namespace, keys: list[str]) -> dict[str, Any]:
             " reaches it can run and stop jobs",
             file=sys.stderr,
         )
-    return load_backends(args.text_model, args.image_model)
 
 
-def _run(args: argparse.Namespace, keys: list[str], backends: dict[str, Any]) -> None:
+def _run(args: argparse.Namespace, keys: list[str], backends: dict[str, Any], sock: socket.socket) -> None:
     import uvicorn
 
     from .app import create_app
@@ -147,17 +183,26 @@ def _run(args: argparse.Namespace, keys: list[str], backends: dict[str, Any]) ->
         concurrency=args.concurrency,
         queue_size=args.queue_size,
         stop_grace=args.stop_grace,
-        step_delay=float(os.environ.get(STEP_DELAY_ENV, "0") or 0),
+        step_delay=_step_delay(),
     )
 
     class Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started:  # uvicorn says nothing when given its socket
+                host, port = sock.getsockname()[:2]
+                url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+                print(f"stopcock serve: running on {url} (Ctrl+C to stop)", file=sys.stderr, flush=True)
+
         async def shutdown(self, sockets: Any = None) -> None:
             await engine.aclose()  # stop every job first ("shutdown"): open streams end with their outcome
             await super().shutdown(sockets)
 
     try:
         app = create_app(engine, api_keys=keys)
-        Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=5)).run()
+        Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=5)).run([sock])
+    except SystemExit as exc:  # uvicorn's own exit when it cannot start (its status 3 is not ours)
+        raise UserError(f"the server could not start (uvicorn exit status {exc.code})") from None
     finally:
         engine.close()
 

@@ -1,0 +1,134 @@
+"""Coverage, transformers half: every generating pipeline task, stopped between tokens.
+
+The tasks are read from transformers itself (every pipeline class whose ``_pipeline_calls_generate``
+flag is set), so a task added by a new release shows up here as "no tiny build" until one exists.
+For each tiny case (``tiny.text.task_case``): a full run, then a run stopped from ``on_step`` at
+step 5; it counts when the stop took effect (``steps`` = 5), when the model made zero forwards
+after the request (no token after it), and when the partial output is non-empty.
+
+``python -m bench.coverage_transformers`` prints one line per case and a summary line, and exits 1
+if a case that builds misses one of the three.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+AT = 5  # the step whose on_step asks for the stop
+
+
+@dataclass
+class Row:
+    case: str
+    path: str  # how the run was stopped between tokens
+    built: bool
+    stopped: bool = False
+    zero_after: bool = False
+    non_empty: bool = False
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.built and self.stopped and self.zero_after and self.non_empty
+
+
+def generating_tasks() -> list[str]:
+    """The pipeline tasks of the installed transformers whose pipeline calls ``generate``."""
+    from transformers.pipelines import SUPPORTED_TASKS
+
+    found = []
+    for task, entry in SUPPORTED_TASKS.items():
+        impl = entry["impl"]
+        if isinstance(impl, str):
+            module, _, name = impl.rpartition(".")
+            impl = getattr(importlib.import_module(module), name)
+        if getattr(impl, "_pipeline_calls_generate", False):
+            found.append(task)
+    return found
+
+
+def _path(pipe: Any) -> str:
+    from stopcock.adapters.transformers import _stop_head
+
+    if _stop_head(pipe.model) is not None:
+        return "stop-probability head of its own loop"
+    if hasattr(getattr(pipe.model, "decoder", None), "build_delay_pattern_mask"):
+        return "criterion bound to generate; delay pattern ended at the stop"
+    return "criterion bound to generate"
+
+
+def measure(name: str) -> Row:
+    import torch
+
+    import stopcock
+    from tiny.text import task_case
+
+    torch.manual_seed(0)
+    case = task_case(name)
+    row = Row(name, _path(case.pipe), built=True)
+    signal, seen = stopcock.StopSignal(), {"forwards": 0, "at_request": None}
+
+    def count(module: Any, args: Any, out: Any) -> None:
+        seen["forwards"] += 1
+
+    def on_step(state: Any) -> None:
+        if state.step == AT and seen["at_request"] is None:
+            seen["at_request"] = seen["forwards"]
+            signal.stop("button")
+
+    hook = case.stepper.register_forward_hook(count)
+    try:
+        outcome = stopcock.run(case.pipe, case.item, stop=signal, on_step=on_step, **case.kwargs)
+    finally:
+        hook.remove()
+    row.stopped = outcome.stopped and outcome.steps == AT and outcome.mode == "finish"
+    row.zero_after = seen["at_request"] is not None and seen["forwards"] == seen["at_request"]
+    partial = case.content(outcome.output)
+    row.non_empty = partial is not None and len(partial) > 0
+    row.note = outcome.detail or ""
+    return row
+
+
+def coverage() -> list[Row]:
+    """One row per tiny case, and one per generating task of transformers that has none."""
+    from tiny.text import TASK_CASES
+
+    rows = [measure(name) for name in TASK_CASES]
+    covered = {name.split(" ")[0] for name in TASK_CASES}
+    rows += [
+        Row(task, "-", built=False, note="no tiny build")
+        for task in generating_tasks()
+        if task not in covered
+    ]
+    return rows
+
+
+def report(rows: list[Row]) -> str:
+    lines = [
+        "| transformers task | path | stopped at the step | zero tokens after | non-empty partial |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        marks = [("yes" if v else "NO") if r.built else "-" for v in (r.stopped, r.zero_after, r.non_empty)]
+        lines.append(f"| {r.case} | {r.path} | {' | '.join(marks)} |" + (f" {r.note}" if r.note else ""))
+    built = [r for r in rows if r.built]
+    ok = sum(r.ok for r in built)
+    tasks = len({r.case.split(" ")[0] for r in rows})
+    lines.append(
+        f"transformers: {ok}/{len(built)} tiny cases of {tasks} generating tasks stop with zero tokens after"
+        f" the request and a non-empty partial output ({len(rows) - len(built)} tasks without a tiny build)"
+    )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    rows = coverage()
+    print(report(rows))
+    return 0 if all(r.ok for r in rows if r.built) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,321 @@
+"""The Ray Serve application: :func:`build` puts the deployments together, :func:`app` is the builder
+that ``serve run`` and Serve config files name, and :func:`serve_forever` is ``stopcock serve --engine ray``.
+
+The application's deployments (names as a Serve config file overrides them):
+
+- ``Ingress``: the FastAPI app (job API, OpenAI-compatible API, web page) over a
+  :class:`~stopcock.server.ray_engine.RayEngine`; any number of replicas.
+- ``JobRegistry``: the job registry, **one** replica (it is the one place where stops and starts are
+  ordered; see :mod:`stopcock.server.ray_engine`).
+- ``TextModel``, ``ImageModel``: one deployment per served kind; ``num_replicas`` or
+  ``autoscaling_config``, and ``ray_actor_options`` (``{"num_gpus": 1}`` for a GPU each).
+  ``max_ongoing_requests`` is the number of pipelines a replica runs at once (``concurrency``).
+
+Ray is imported when an application is built, never when this module is imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import UserError
+from .ray_engine import ModelSpec
+
+__all__ = ["APP_NAME", "REGISTRY", "RayOptions", "app", "build", "model_deployment", "serve_forever"]
+
+APP_NAME = "stopcock"
+REGISTRY = "JobRegistry"
+INGRESS = "Ingress"
+#: Long polls (event streams, waits, the replicas' stop polls) each hold a request of the registry.
+REGISTRY_MAX_ONGOING = 100_000
+INGRESS_MAX_ONGOING = 1_000
+#: The registry's and model replicas' calls are internal (reports, long polls: thousands a second
+#: under load): no access log line for each. The ingress keeps Serve's access log of HTTP requests.
+QUIET = {"enable_access_log": False}
+
+
+def model_deployment(kind: str) -> str:
+    """The name of the model deployment of ``kind`` (``TextModel``, ``ImageModel``)."""
+    return f"{kind.capitalize()}Model"
+
+
+@dataclass
+class RayOptions:
+    """What :func:`build` deploys.
+
+    ``models``: the kinds to serve. ``concurrency``: pipelines per model replica (its lease, and
+    Serve's ``max_ongoing_requests``). ``replicas``: model replicas of each kind (a number, or one per
+    kind: ``{"text": 2, "image": 1}``), or ``autoscaling``
+    (Serve's ``autoscaling_config``, for every model deployment). ``model_actor_options``: Ray options
+    of the model replicas (``{"num_gpus": 1}``). ``queue_size``, ``retain``, ``stop_wait``: as for
+    ``LocalEngine``. ``journal_dir``: where the registry keeps its journal (``APP.jsonl``, after the
+    application's name), on the registry's node: a restarted or redeployed registry of the same
+    application reads it back (a shared or node-pinned folder survives the registry moving to another
+    node); None: no journal.
+    ``step_delay``: the test-only per-step throttle. ``torch_threads``: torch threads per model
+    replica (None: torch's default).
+    """
+
+    models: list[ModelSpec]
+    api_keys: list[str] = field(default_factory=list)
+    concurrency: int = 1
+    replicas: int | Mapping[str, int] = 1
+    autoscaling: Mapping[str, Any] | None = None
+    model_actor_options: Mapping[str, Any] = field(default_factory=lambda: {"num_cpus": 1})
+    ingress_replicas: int = 1
+    queue_size: int = 16
+    retain: int = 256
+    stop_wait: float = 30.0
+    journal_dir: str | None = field(default_factory=lambda: str(Path(tempfile.gettempdir()) / "stopcock-ray"))
+    fsync: bool = False
+    step_delay: float = 0.0
+    torch_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise ValueError("serve at least one kind of model")
+        counts = self.replicas.values() if isinstance(self.replicas, Mapping) else [self.replicas]
+        if self.concurrency < 1 or min(counts) < 1 or self.ingress_replicas < 1:
+            raise ValueError("concurrency, replicas and ingress_replicas must be >= 1")
+
+    def replicas_of(self, kind: str) -> int:
+        return self.replicas.get(kind, 1) if isinstance(self.replicas, Mapping) else self.replicas
+
+
+def build(options: RayOptions) -> Any:
+    """The Serve application (a bound ``Ingress`` deployment, with everything it needs) for ``options``."""
+    from ray import serve
+
+    from .ray_engine import JobRegistry, ModelReplica
+
+    models = {s.kind: {"id": s.served_name, "description": s.served_description} for s in options.models}
+    handles = {}
+    for spec in options.models:
+        scaling: dict[str, Any] = (
+            {"autoscaling_config": dict(options.autoscaling)}
+            if options.autoscaling
+            else {"num_replicas": options.replicas_of(spec.kind)}
+        )
+        deployment = serve.deployment(
+            name=model_deployment(spec.kind),
+            max_ongoing_requests=options.concurrency,
+            ray_actor_options=dict(options.model_actor_options),
+            logging_config=QUIET,
+            **scaling,
+        )(ModelReplica)
+        handles[spec.kind] = deployment.bind(
+            spec,
+            concurrency=options.concurrency,
+            step_delay=options.step_delay,
+            torch_threads=options.torch_threads,
+            registry_name=REGISTRY,
+        )
+    registry = serve.deployment(
+        name=REGISTRY,
+        num_replicas=1,
+        max_ongoing_requests=REGISTRY_MAX_ONGOING,
+        ray_actor_options={"num_cpus": 0},
+        logging_config=QUIET,
+    )(JobRegistry).bind(
+        handles,
+        queue_size=options.queue_size,
+        retain=options.retain,
+        stop_wait=options.stop_wait,
+        journal_dir=options.journal_dir,
+        fsync=options.fsync,
+    )
+    ingress = serve.deployment(
+        name=INGRESS,
+        num_replicas=options.ingress_replicas,
+        max_ongoing_requests=INGRESS_MAX_ONGOING,
+        ray_actor_options={"num_cpus": 0},
+    )(_ingress(list(options.api_keys), models))
+    return ingress.bind(registry)
+
+
+def _ingress(keys: list[str], models: Mapping[str, Mapping[str, str]]) -> Any:
+    """The ingress deployment's class: the FastAPI app, built on each replica over its own engine."""
+    from ray import serve
+
+    def build_app() -> Any:
+        from .app import create_app
+        from .ray_engine import RayEngine
+
+        context = serve.get_replica_context()
+        registry = serve.get_deployment_handle(REGISTRY, context.app_name)
+        return _Tagged(create_app(RayEngine(registry, models), api_keys=keys), context.replica_tag)
+
+    class Ingress:
+        def __init__(self, registry: Any) -> None:
+            self.registry = registry  # bound, so that the registry is deployed with the application
+
+    return serve.ingress(build_app)(Ingress)
+
+
+class _Tagged:
+    """The app, with an ``x-stopcock-replica`` header on every answer: which ingress replica answered."""
+
+    def __init__(self, app: Any, tag: str) -> None:
+        self.app, self.tag = app, tag.encode()
+        self.state = getattr(app, "state", None)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def tagged(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                headers = [*message.get("headers", []), (b"x-stopcock-replica", self.tag)]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, tagged)
+
+
+# -- serve run / serve deploy ------------------------------------------------------------------------
+def app(args: Mapping[str, Any]) -> Any:
+    """The application builder named in a Serve config file (``import_path:
+    stopcock.server.ray_deploy:app``) or on the command line (``serve run
+    stopcock.server.ray_deploy:app text_model=PATH``). ``args``: ``text_model``, ``image_model`` (a
+    folder or hub id; neither: both demo models), ``text_name``, ``image_name``, ``api_keys`` (a list)
+    or ``api_keys_file``, ``concurrency``, ``queue_size``, ``retain``, ``stop_wait``, ``journal_dir``,
+    ``fsync``, ``torch_threads``, ``device`` (``auto``: a GPU when the replica has one). Replicas,
+    autoscaling and GPUs (``ray_actor_options``) go in the config's ``deployments``."""
+    known = {
+        "text_model",
+        "image_model",
+        "text_name",
+        "image_name",
+        "api_keys",
+        "api_keys_file",
+        "concurrency",
+        "queue_size",
+        "retain",
+        "stop_wait",
+        "journal_dir",
+        "fsync",
+        "torch_threads",
+        "device",
+    }
+    unknown = set(args) - known
+    if unknown:
+        raise ValueError(f"unknown stopcock application args: {sorted(unknown)}; known: {sorted(known)}")
+    keys = list(args.get("api_keys") or [])
+    if args.get("api_keys_file"):
+        from .keyfile import read_key_file
+
+        keys = read_key_file(args["api_keys_file"])
+    options: dict[str, Any] = {
+        name: type_(args[name])
+        for name, type_ in [
+            ("concurrency", int),
+            ("queue_size", int),
+            ("retain", int),
+            ("stop_wait", float),
+            ("fsync", bool),
+        ]
+        if name in args
+    }
+    if "journal_dir" in args:
+        options["journal_dir"] = args["journal_dir"]
+    if args.get("torch_threads") is not None:
+        options["torch_threads"] = int(args["torch_threads"])
+    specs = model_specs(
+        args.get("text_model"),
+        args.get("image_model"),
+        args.get("text_name"),
+        args.get("image_name"),
+        device=str(args.get("device", "auto")),
+    )
+    return build(RayOptions(models=specs, api_keys=keys, **options))
+
+
+def model_specs(
+    text_model: str | None,
+    image_model: str | None,
+    text_name: str | None = None,
+    image_name: str | None = None,
+    *,
+    device: str = "auto",
+) -> list[ModelSpec]:
+    """The kinds to serve, as ``stopcock serve`` picks them: the models given, or both demo models."""
+    from ..loading import resolve_model
+
+    demo = text_model is None and image_model is None
+    specs = []
+    for kind, model, name in (("text", text_model, text_name), ("image", image_model, image_name)):
+        if demo or model is not None:
+            if model is not None:
+                resolve_model(model, kind)  # a missing folder is a clear error here, not a failed replica
+            specs.append(ModelSpec(kind, model, name, device=device))
+    return specs
+
+
+# -- stopcock serve --engine ray -----------------------------------------------------------------------
+def _free_port(host: str) -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+def serve_forever(args: argparse.Namespace, keys: Sequence[str], step_delay: float = 0.0) -> None:
+    """Deploy on a local Ray cluster (started here) or the one at ``--ray-address``, then serve until
+    Ctrl+C: every job is then stopped (reason ``"shutdown"``) and the application deleted."""
+    import ray
+    from ray import serve
+
+    specs = model_specs(args.text_model, args.image_model)  # UserError before any cluster is started
+    options = RayOptions(
+        models=specs,
+        api_keys=list(keys),
+        concurrency=args.concurrency,
+        replicas=args.replicas,
+        queue_size=args.queue_size,
+        step_delay=step_delay,
+        ingress_replicas=args.ingress_replicas,
+    )
+    port = args.port or _free_port(args.host)
+    started_here = args.ray_address is None
+    if started_here:  # the cluster lives as long as this command: so does its registry's journal
+        options.journal_dir = tempfile.mkdtemp(prefix="stopcock-ray-journal-")
+    if started_here:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private cluster on this machine
+        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    else:
+        ray.init(address=args.ray_address, log_to_driver=False, configure_logging=False)
+    try:
+        serve.start(http_options={"host": args.host, "port": port})
+        try:
+            serve.run(build(options), name=APP_NAME, route_prefix="/")
+        except RuntimeError as exc:
+            raise UserError(f"the Ray Serve application did not start: {exc}") from None
+        where = "a local Ray cluster" if started_here else f"the Ray cluster at {args.ray_address}"
+        print(
+            f"stopcock serve: running on http://{args.host}:{port} (Ray Serve on {where}; {args.replicas}"
+            f" replica(s) per model; Ctrl+C to stop)",
+            file=sys.stderr,
+            flush=True,
+        )
+        try:
+            threading.Event().wait()  # until Ctrl+C (KeyboardInterrupt)
+        finally:
+            registry: Any = serve.get_deployment_handle(REGISTRY, APP_NAME)
+            stopped = registry.stop_all.remote("shutdown").result(timeout_s=120)
+            print(f"stopcock serve: stopped {stopped} job(s); removing the application", file=sys.stderr)
+            serve.delete(APP_NAME)
+    finally:
+        if started_here:
+            serve.shutdown()
+        ray.shutdown()
+        if started_here and options.journal_dir is not None:
+            shutil.rmtree(options.journal_dir, ignore_errors=True)

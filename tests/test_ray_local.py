@@ -1,0 +1,237 @@
+"""The Ray engine's parts wired in one event loop, without a cluster: the job registry, a model
+replica (its lease of lanes, its stop poll and reports) and the ingress engine, each talking to the
+others through an in-process stand-in for a Serve handle. What a cluster cannot show
+deterministically is checked here: the lease when Serve cancels a request, claims against stops,
+and the journal a restarted registry reads back. ``tests/test_ray_engine.py`` runs it on Ray."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+pytest.importorskip("ray")
+
+from stopcock.server.contract import Event, JobSpec
+from stopcock.server.jobs import Job
+from stopcock.server.ray_engine import (
+    JobRegistry,
+    LocalHandle,
+    ModelReplica,
+    ModelSpec,
+    RayEngine,
+    construct,
+)
+
+OWNER = "me"
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def text(max_tokens: int) -> JobSpec:
+    return JobSpec("text", "Once upon a time", {"max_tokens": max_tokens, "temperature": 0.0, "top_p": 1.0})
+
+
+async def wired(backend: Any, **registry_options: Any) -> tuple[RayEngine, JobRegistry, ModelReplica]:
+    """A registry, one model replica of ``backend`` (one lane) and an engine over them."""
+    registry = await construct(JobRegistry, {}, alive=lambda name: True, **registry_options)
+    spec = ModelSpec(backend.kind, name=backend.name, factory=lambda: backend)
+    replica = await construct(
+        ModelReplica,
+        spec,
+        concurrency=1,
+        step_delay=0.01,
+        torch_threads=None,
+        registry=LocalHandle(registry),
+        name="replica-0",
+    )
+    registry.models[backend.kind] = LocalHandle(replica)
+    engine = RayEngine(LocalHandle(registry), {backend.kind: {"id": backend.name, "description": ""}})
+    return engine, registry, replica
+
+
+async def reach(engine: RayEngine, job_id: str, step: int) -> None:
+    async for event in engine.events(job_id, OWNER):
+        assert event.type != "done", f"the job ended before step {step}"
+        if event.type == "progress" and event.data["step"] >= step:
+            return
+
+
+def test_a_cancelled_request_frees_no_lane_before_its_pipeline_returned(server_backends):
+    """Serve frees a request's slot when it cancels the request, the pipeline's thread runs on: the
+    replica's lane comes back only when the run has returned, so the next job waits for it."""
+
+    async def main() -> None:
+        engine, registry, replica = await wired(server_backends["text"])
+        first = await engine.submit(text(1000), OWNER)
+        await reach(engine, first.id, 2)
+        registry._dispatches[first.id].cancel()  # what Serve does to the request; the job is not told
+        second = await engine.submit(text(4), OWNER)
+        await reach(engine, first.id, 6)  # the first pipeline runs on...
+        assert (await engine.get(second.id, OWNER)).state == "queued"  # ...and holds the only lane
+        assert replica.busy == 1
+        stopped = await engine.stop(first.id, OWNER)
+        assert (stopped.state, stopped.reason) == ("stopped", "user")
+        done = await engine.wait(second.id, OWNER)
+        assert (done.state, done.step) == ("completed", 4)
+        assert done.started is not None and stopped.finished is not None
+        assert done.started >= stopped.finished  # the runs never overlapped
+        assert replica.peak == 1
+
+    asyncio.run(main())
+
+
+def test_a_job_stopped_before_its_claim_never_starts(server_backends):
+    async def main() -> None:
+        engine, registry, replica = await wired(server_backends["text"])
+        running = await engine.submit(text(1000), OWNER)
+        await reach(engine, running.id, 1)
+        waiting = await engine.submit(text(1000), OWNER)  # its request waits for the lane, unclaimed
+        stopped = await engine.stop(waiting.id, OWNER)
+        assert (stopped.state, stopped.reason, stopped.started, stopped.step) == ("stopped", "user", None, 0)
+        assert "never ran" in stopped.outcome["detail"]
+        await engine.stop(running.id, OWNER)
+        # the replica gets the lane and the request, asks for the claim, and is refused
+        assert await registry.settled(waiting.id, 60) == "refused"
+        assert [e.type async for e in engine.events(waiting.id, OWNER)] == ["queued", "done"]
+        assert await engine.get(waiting.id, OWNER) == stopped
+        assert registry.refused_claims == 1 and replica.peak == 1
+
+    asyncio.run(main())
+
+
+def test_claims_are_ordered_with_stops():
+    async def main() -> None:
+        registry = await construct(JobRegistry, {"text": _Never()}, alive=lambda name: True)
+        a = await registry.submit("job-a", text(3), OWNER, 0.0)
+        assert await registry.claim("job-a", "r1") == 1  # one event (queued) before the replica's
+        assert await registry.claim("job-a", "r1") == 1  # the same replica asking again: still yes
+        assert await registry.claim("job-a", "r2") is None  # another replica: no
+        await registry.submit("job-b", text(3), OWNER, 0.0)
+        await registry.stop("job-b", OWNER, "user", wait=False)
+        assert await registry.claim("job-b", "r1") is None  # stopped before any claim: never starts
+        assert (await registry.get("job-a", OWNER)).state == "running" != a.state
+        # the stop of a claimed job waits for its replica's poll
+        view = await registry.stop("job-a", OWNER, "user", wait=False)
+        assert view.state == "stopping"
+        stops, known, _ = await registry.poll("r1", [], ["job-a"], 0, 0, 0.0)
+        assert stops == {"job-a": "user"} and known is False  # r1 never registered here
+        stops, _, _ = await registry.poll("r1", ["job-a"], ["job-a"], 0, 0, 0.0)
+        assert stops == {}  # applied
+
+    asyncio.run(main())
+
+
+def test_a_restarted_registry_reads_back_every_acknowledged_stop(tmp_path):
+    journal = str(tmp_path / "registry.jsonl")
+
+    async def before() -> None:
+        registry = await construct(
+            JobRegistry, {"text": _Never()}, journal=journal, retain=2, alive=lambda name: True
+        )
+        for name in ("queued", "tombstone", "claimed", "ended", "old-1", "old-2"):
+            await registry.submit(name, text(50), OWNER, 1.0)
+        await registry.claim("claimed", "r1")
+        await registry.stop("claimed", OWNER, "disconnected", wait=False)  # acknowledged, not yet applied
+        for name in ("old-1", "old-2", "tombstone", "ended"):  # the two first are forgotten (retain=2)
+            if name == "tombstone":
+                await registry.stop("tombstone", OWNER, "user", wait=False)  # acknowledged: never runs
+                continue
+            await registry.claim(name, "r1")
+            job = Job(text(50), OWNER, id=name, seq=1)
+            job.emit("started")
+            job.state, job.step, job.outcome = "completed", 50, {"steps": 50}
+            job.emit("done", **job.view().to_json())
+            await registry.report(
+                "r1",
+                [(name, e) for e in job.events if e is not None],
+                {name: job.view().to_json()},
+                {name: {"text": f"{name}!"}},
+            )
+
+    asyncio.run(before())
+    sent = _Never()
+
+    async def after() -> None:
+        registry = await construct(
+            JobRegistry, {"text": sent}, journal=journal, retain=2, alive=lambda name: True
+        )
+        assert registry.restored == 4
+        tombstone = await registry.get("tombstone", OWNER)
+        assert (tombstone.state, tombstone.reason, tombstone.started) == ("stopped", "user", None)
+        assert await registry.claim("tombstone", "r2") is None  # it still never starts
+        claimed = await registry.get("claimed", OWNER)
+        assert claimed.state == "stopping"
+        stops, _, _ = await registry.poll("r1", [], ["claimed"], 0, 0, 0.0)
+        assert stops == {"claimed": "disconnected"}  # sent again to the replica that runs it
+        found = await registry.result("ended", OWNER)
+        assert found["job"]["state"] == "completed" and found["result"] == {"text": "ended!"}
+        ended_events, _, ended = await registry.events("ended", OWNER, 0, 0.0)
+        assert ended and [e.type for e in ended_events] == ["queued", "done"] and ended_events[-1].seq == 3
+        assert (await registry.get("old-1", OWNER)).__class__.__name__ == "Refused"  # forgotten
+        assert (await registry.get("queued", OWNER)).state == "queued"
+        await asyncio.wait_for(sent.called.wait(), 10)
+        assert sent.jobs == ["queued"]  # the queued job is sent again (it never started); no other
+
+    asyncio.run(after())
+
+
+def test_a_replica_that_dies_fails_its_job_which_is_not_sent_again():
+    from ray.exceptions import ActorDiedError
+
+    class Dies:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        async def run(self, job_id: str, owner: str, spec: JobSpec) -> str:
+            self.calls += 1
+            assert await registry.claim(job_id, "r1") is not None
+            raise ActorDiedError()
+
+    async def main() -> None:
+        nonlocal registry
+        dies = Dies()
+        registry = await construct(JobRegistry, {"text": LocalHandle(dies)}, alive=lambda name: False)
+        await registry.register("text", "r1", 1, None)
+        await registry.submit("job", text(5), OWNER, 0.0)
+        assert await registry.settled("job", 10) == "failed"
+        view = await registry.get("job", OWNER)
+        assert (view.state, view.reason) == ("failed", "error") and "died" in view.error
+        assert "not run again" in view.error and dies.calls == 1
+        assert (await registry.stop("job", OWNER)) == view  # a stop answers with that state
+        assert (await registry.stats())["replicas"] == 0
+
+    registry: Any = None
+    asyncio.run(main())
+
+
+class _Never:
+    """A model deployment stand-in whose replicas never answer (every job stays unclaimed)."""
+
+    def __init__(self) -> None:
+        self.jobs: list[str] = []
+        self.called = asyncio.Event()
+
+    def __getattr__(self, method: str) -> Any:
+        assert method == "run"
+        outer = self
+
+        class _Run:
+            @staticmethod
+            def remote(job_id: str, owner: str, spec: JobSpec) -> Any:
+                outer.jobs.append(job_id)
+                outer.called.set()
+                return asyncio.get_running_loop().create_future()  # never resolved
+
+        return _Run
+
+
+def test_events_numbered_elsewhere_keep_their_numbers():
+    job = Job(text(3), OWNER, seq=1)
+    job.emit("started")
+    assert [e.seq for e in job.events if e is not None] == [2]
+    copy = Job(text(3), OWNER)
+    copy.emit("queued", position=1)
+    copy.put(Event(5, "progress", {"step": 3, "total": 3}))
+    copy.put(Event(2, "started", {}))  # older than what it holds: already past
+    assert [e.seq if e else None for e in copy.events] == [1, None, None, None, 5]
