@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("ray")
 
+from stopcock.server.backends import ImageBackend
 from stopcock.server.contract import Event, JobSpec
 from stopcock.server.jobs import Job
 from stopcock.server.ray_engine import (
@@ -23,6 +24,7 @@ from stopcock.server.ray_engine import (
     RayEngine,
     construct,
 )
+from stopcock.server.schemas import ImageParameters
 
 OWNER = "me"
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -32,7 +34,9 @@ def text(max_tokens: int) -> JobSpec:
     return JobSpec("text", "Once upon a time", {"max_tokens": max_tokens, "temperature": 0.0, "top_p": 1.0})
 
 
-async def wired(backend: Any, **registry_options: Any) -> tuple[RayEngine, JobRegistry, ModelReplica]:
+async def wired(
+    backend: Any, stop_grace: float | None = 5.0, **registry_options: Any
+) -> tuple[RayEngine, JobRegistry, ModelReplica]:
     """A registry, one model replica of ``backend`` (one lane) and an engine over them."""
     registry = await construct(JobRegistry, {}, alive=lambda name: True, **registry_options)
     spec = ModelSpec(backend.kind, name=backend.name, factory=lambda: backend)
@@ -41,6 +45,7 @@ async def wired(backend: Any, **registry_options: Any) -> tuple[RayEngine, JobRe
         spec,
         concurrency=1,
         step_delay=0.01,
+        stop_grace=stop_grace,
         torch_threads=None,
         registry=LocalHandle(registry),
         name="replica-0",
@@ -235,3 +240,26 @@ def test_events_numbered_elsewhere_keep_their_numbers():
     copy.put(Event(5, "progress", {"step": 3, "total": 3}))
     copy.put(Event(2, "started", {}))  # older than what it holds: already past
     assert [e.seq if e else None for e in copy.events] == [1, None, None, None, 5]
+
+
+def test_a_stop_held_by_a_slow_step_escalates_after_the_replicas_grace():
+    """As ``LocalEngine(stop_grace=...)``: a model replica's ``stop_grace`` aborts a step that holds a
+    stop, and the job keeps the last finished step's image (test_escalation's slow layer)."""
+    from test_escalation import GRACE, HELD, STEPS, slow_sd  # tests/ is on sys.path under pytest
+
+    pipe, slow = slow_sd()
+    params = ImageParameters(steps=STEPS, seed=3, previews=False).model_dump()
+
+    async def main() -> None:
+        engine, _, _ = await wired(ImageBackend(pipe, "slow-sd"), stop_grace=GRACE)
+        job = await engine.submit(JobSpec("image", "a cat", params), OWNER)
+        assert await asyncio.to_thread(slow.entered.wait, 60)
+        stopped = await engine.stop(job.id, OWNER)
+        assert (stopped.state, stopped.reason, stopped.step) == ("stopped", "user", HELD)
+        assert stopped.outcome["mode"] == "abort" and "escalated" in stopped.outcome["detail"]
+        assert (await engine.result(job.id, OWNER))["result"]["image"].startswith("iVBOR")
+
+    try:
+        asyncio.run(main())
+    finally:
+        slow.release.set()

@@ -80,8 +80,6 @@ class LocalEngine:
     ) -> None:
         if concurrency < 1 or queue_size < 0 or retain < 1:
             raise ValueError("concurrency and retain must be >= 1 and queue_size >= 0")
-        if stop_grace is not None and not 0 <= stop_grace < float("inf"):
-            raise ValueError(f"stop_grace must be seconds >= 0 or None, got {stop_grace!r}")
         if not backends:
             raise ValueError("the engine needs at least one kind of model to serve")
         self.backends = dict(backends)
@@ -91,7 +89,7 @@ class LocalEngine:
         self.queue_size = queue_size
         self.retain = retain
         self.stop_wait = stop_wait
-        self.stop_grace = stop_grace
+        self.stop_grace = _jobs.stop_grace(stop_grace)
         self.step_delay = step_delay
         self._lock = threading.Condition()
         self._jobs: dict[str, _Job] = {}

@@ -39,6 +39,7 @@ __all__ = [
     "new_id",
     "run_lane",
     "since",
+    "stop_grace",
     "summary_of_end",
     "wait_final",
     "wait_until",
@@ -282,6 +283,13 @@ class JobContext:
             reason = outcome.reason if outcome.stopped else "completed"
             self._job.emit("item", index=index, prompt=prompt, state="ended", reason=reason,
                            steps=outcome.steps)
+
+
+def stop_grace(seconds: float | None) -> float | None:
+    """An engine's ``stop_grace`` checked: seconds >= 0, or None (never escalate)."""
+    if seconds is not None and not 0 <= seconds < float("inf"):
+        raise ValueError(f"stop_grace must be seconds >= 0 or None, got {seconds!r}")
+    return seconds
 
 
 def run_lane(job: Job, lane: Lane, step_delay: float = 0.0, escalate_after: float | None = None) -> Ended:

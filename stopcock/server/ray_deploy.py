@@ -58,7 +58,8 @@ class RayOptions:
     kind: ``{"text": 2, "image": 1}``), or ``autoscaling``
     (Serve's ``autoscaling_config``, for every model deployment). ``model_actor_options``: Ray options
     of the model replicas (``{"num_gpus": 1}``). ``queue_size``, ``retain``, ``stop_wait``: as for
-    ``LocalEngine``. ``journal_dir``: where the registry keeps its journal (``APP.jsonl``, after the
+    ``LocalEngine``, and ``stop_grace`` (seconds a stop waits for a slow step before it aborts it; None:
+    never). ``journal_dir``: where the registry keeps its journal (``APP.jsonl``, after the
     application's name), on the registry's node: a restarted or redeployed registry of the same
     application reads it back (a shared or node-pinned folder survives the registry moving to another
     node); None: no journal.
@@ -76,6 +77,7 @@ class RayOptions:
     queue_size: int = 16
     retain: int = 256
     stop_wait: float = 30.0
+    stop_grace: float | None = 5.0
     journal_dir: str | None = field(default_factory=lambda: str(Path(tempfile.gettempdir()) / "stopcock-ray"))
     fsync: bool = False
     step_delay: float = 0.0
@@ -117,6 +119,7 @@ def build(options: RayOptions) -> Any:
             spec,
             concurrency=options.concurrency,
             step_delay=options.step_delay,
+            stop_grace=options.stop_grace,
             torch_threads=options.torch_threads,
             registry_name=REGISTRY,
         )
@@ -188,7 +191,8 @@ def app(args: Mapping[str, Any]) -> Any:
     stopcock.server.ray_deploy:app``) or on the command line (``serve run
     stopcock.server.ray_deploy:app text_model=PATH``). ``args``: ``text_model``, ``image_model`` (a
     folder or hub id; neither: both demo models), ``text_name``, ``image_name``, ``api_keys`` (a list)
-    or ``api_keys_file``, ``concurrency``, ``queue_size``, ``retain``, ``stop_wait``, ``journal_dir``,
+    or ``api_keys_file``, ``concurrency``, ``queue_size``, ``retain``, ``stop_wait``, ``stop_grace``,
+    ``journal_dir``,
     ``fsync``, ``torch_threads``, ``device`` (``auto``: a GPU when the replica has one). Replicas,
     autoscaling and GPUs (``ray_actor_options``) go in the config's ``deployments``."""
     known = {
@@ -202,6 +206,7 @@ def app(args: Mapping[str, Any]) -> Any:
         "queue_size",
         "retain",
         "stop_wait",
+        "stop_grace",
         "journal_dir",
         "fsync",
         "torch_threads",
@@ -222,6 +227,7 @@ def app(args: Mapping[str, Any]) -> Any:
             ("queue_size", int),
             ("retain", int),
             ("stop_wait", float),
+            ("stop_grace", float),
             ("fsync", bool),
         ]
         if name in args
@@ -281,6 +287,7 @@ def serve_forever(args: argparse.Namespace, keys: Sequence[str], step_delay: flo
         concurrency=args.concurrency,
         replicas=args.replicas,
         queue_size=args.queue_size,
+        stop_grace=args.stop_grace,
         step_delay=step_delay,
         ingress_replicas=args.ingress_replicas,
     )

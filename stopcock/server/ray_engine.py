@@ -54,6 +54,7 @@ from .contract import (
     QueueFull,
 )
 from .jobs import Job, finish, new_id, run_lane, since, summary_of_end, wait_final
+from .jobs import stop_grace as stop_grace_checked
 
 __all__ = [
     "JobRegistry",
@@ -999,6 +1000,7 @@ class ModelReplica:
         *,
         concurrency: int = 1,
         step_delay: float = 0.0,
+        stop_grace: float | None = 5.0,
         torch_threads: int | None = 1,
         registry: Any = None,
         name: str | None = None,
@@ -1013,6 +1015,7 @@ class ModelReplica:
         self.kind = spec.kind
         self.concurrency = concurrency
         self.step_delay = step_delay
+        self.stop_grace = stop_grace_checked(stop_grace)  # as LocalEngine's: a slow step's stop escalates
         if registry is None:
             from ray import serve
 
@@ -1090,7 +1093,8 @@ class ModelReplica:
             self.peak = max(self.peak, self.busy)
         ended = None
         try:
-            ended = run_lane(job, lane if self._checked else _Checked(lane, self.backend), self.step_delay)
+            lane_here = lane if self._checked else _Checked(lane, self.backend)
+            ended = run_lane(job, lane_here, self.step_delay, self.stop_grace)
         finally:  # the pipeline has returned: the job's end is told, then its lane is free for the next
             with self._count_lock:
                 self.busy -= 1
