@@ -1,4 +1,4 @@
-"""5. Fast-forward: what the rest of a stopped loop costs once it is fast-forwarded.
+"""6. Fast-forward: what the rest of a stopped loop costs once it is fast-forwarded.
 
 A pipeline whose loop never checks ``interrupt`` (LCM, Kandinsky 3: category B) is stopped at step k
 of N in finish mode: its remaining N - k iterations still run, with the loop's models answering from
@@ -99,7 +99,7 @@ def run(quick: bool = False) -> Section:
          "fast-forwarded steps", "ms for the whole tail", "ms decode and output after the loop"],
     )
     section = Section(
-        "5. Fast-forward: the cost of the rest of a stopped loop",
+        "6. Fast-forward: the cost of the rest of a stopped loop",
         __doc__.split("\n\n", 1)[1].strip().replace("``", "`"),
         tables=[table],
     )
