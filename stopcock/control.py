@@ -187,9 +187,7 @@ class RunControl:
     def __enter__(self) -> RunControl:
         self._start()
         self._skip_base = self._skips()
-        for leaf in top_level(self.condition):
-            if isinstance(leaf, Signalled):
-                self._unlink.append(leaf.signal.on_stop(self._forward(leaf.signal)))
+        self._unlink += [signal.on_stop(self._forward(signal)) for signal in self._followed]
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -335,20 +333,20 @@ class RunControl:
         """
         if not self.watch.in_forward and self._quiet():
             return
-        if self.token.stopped or (
-            self.condition is not None and self.should_stop(self.state(block=True))
-        ):
+        if self._stopped_in_forward():
             self.seen = True
             raise Abort(self)
+
+    def _stopped_in_forward(self) -> bool:
+        """Whether the run is stopped, its conditions evaluated on a state inside the forward."""
+        return self.token.stopped or (self.condition is not None and self.should_stop(self.state(block=True)))
 
     def _poll_escalation(self, _module: nn.Module) -> None:
         """The in-forward check of an escalated finish-mode stop: abort unless a step boundary saw
         the stop already (the library is then finishing as asked, e.g. decoding the image)."""
         if self.seen:
             return
-        if self.token.stopped or (
-            self.condition is not None and self.should_stop(self.state(block=True))
-        ):
+        if self._stopped_in_forward():
             now = time.monotonic()
             self.seen = True
             self.escalated = now - self._requested(now)

@@ -89,7 +89,7 @@ class LocalEngine:
         self.queue_size = queue_size
         self.retain = retain
         self.stop_wait = stop_wait
-        self.stop_grace = _jobs.stop_grace(stop_grace)
+        self.stop_grace = _jobs.checked_grace(stop_grace)
         self.step_delay = step_delay
         self._lock = threading.Condition()
         self._jobs: dict[str, _Job] = {}

@@ -34,12 +34,12 @@ __all__ = [
     "Job",
     "JobContext",
     "Reached",
+    "checked_grace",
     "events",
     "finish",
     "new_id",
     "run_lane",
     "since",
-    "stop_grace",
     "summary_of_end",
     "wait_final",
     "wait_until",
@@ -285,7 +285,7 @@ class JobContext:
                            steps=outcome.steps)
 
 
-def stop_grace(seconds: float | None) -> float | None:
+def checked_grace(seconds: float | None) -> float | None:
     """An engine's ``stop_grace`` checked: seconds >= 0, or None (never escalate)."""
     if seconds is not None and not 0 <= seconds < float("inf"):
         raise ValueError(f"stop_grace must be seconds >= 0 or None, got {seconds!r}")

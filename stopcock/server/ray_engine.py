@@ -53,8 +53,7 @@ from .contract import (
     Lane,
     QueueFull,
 )
-from .jobs import Job, finish, new_id, run_lane, since, summary_of_end, wait_final
-from .jobs import stop_grace as stop_grace_checked
+from .jobs import Job, checked_grace, finish, new_id, run_lane, since, summary_of_end, wait_final
 
 __all__ = [
     "JobRegistry",
@@ -1015,7 +1014,7 @@ class ModelReplica:
         self.kind = spec.kind
         self.concurrency = concurrency
         self.step_delay = step_delay
-        self.stop_grace = stop_grace_checked(stop_grace)  # as LocalEngine's: a slow step's stop escalates
+        self.stop_grace = checked_grace(stop_grace)  # as LocalEngine's: a slow step's stop escalates
         if registry is None:
             from ray import serve
 
