@@ -46,10 +46,15 @@ class Condition:
     A *row condition* (``per_row = True``, e.g. :class:`StopStrings`) ends each generated row on
     its own; it never fires from :meth:`check`, and only the adapters that can apply it per row
     accept it (see :func:`stop_strings_of` and :func:`refuse_row_conditions`).
+
+    A condition of your own sees every step. ``fires_in_forward = False`` says its :meth:`check`
+    returns None on a state inside a forward (``state.block``): abort mode then arms its in-forward
+    checks only once something else makes a stop possible, instead of from the start of the run.
     """
 
     reason: str = "condition"
     per_row = False
+    fires_in_forward = True
 
     def check(self, state: StepState) -> str | None:
         raise NotImplementedError

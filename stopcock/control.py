@@ -74,7 +74,8 @@ class Watch:
     """What in a condition can stop a run, and when (read once, when the run is bound).
 
     ``every_step``: a part must see each step's state (``when()``, or a condition class of your
-    own); ``in_forward``: a part may fire inside a forward at any moment (a condition of your own).
+    own); ``in_forward``: a part may fire inside a forward at any moment (a condition of your own,
+    unless its class says ``fires_in_forward = False``).
     Conditions are matched by exact class: a subclass is treated as a condition of your own.
     """
 
@@ -90,7 +91,7 @@ class Watch:
         signals: dict[StopSignal, None] = {}  # each once, in order
         timeouts: list[float] = []
         deadlines: list[float] = []
-        max_steps, every_step, own = math.inf, False, False
+        max_steps, every_step, own, in_forward = math.inf, False, False, False
         for leaf in () if condition is None else condition.parts():
             # by exact class: a subclass may check differently
             if type(leaf) is Signalled:
@@ -105,9 +106,10 @@ class Watch:
                 every_step = True
             elif type(leaf) is not StopStrings:
                 own = True
+                in_forward = in_forward or leaf.fires_in_forward
         return cls(
             signals=tuple(signals), timeouts=tuple(timeouts), deadlines=tuple(deadlines),
-            max_steps=max_steps, every_step=every_step or own, in_forward=own,
+            max_steps=max_steps, every_step=every_step or own, in_forward=in_forward,
         )
 
 

@@ -32,6 +32,7 @@ class PauseSignal(Condition):
     """Holds the runs it is part of at their next step boundary while paused (see the module docstring)."""
 
     reason = "paused"  # never stops a run: check() returns None
+    fires_in_forward = False  # it holds runs at step boundaries only
 
     def __init__(self) -> None:
         self._cond = threading.Condition()

@@ -326,6 +326,35 @@ def test_a_condition_of_your_own_is_armed_from_the_start(text_model, tokenizer):
     assert (outcome.reason, outcome.steps, outcome.mode) == ("mine", 2, "abort")
 
 
+class AtBoundaries(Always):
+    """A condition of the user's own that says it never fires inside a forward."""
+
+    fires_in_forward = False
+
+    def check(self, state):
+        return None if state.block else super().check(state)
+
+
+def test_a_condition_that_never_fires_in_a_forward_arms_abort_mode_only_once_stopped(text_model, tokenizer):
+    ids = tokenizer(["Hello world"], return_tensors="pt")
+    mine, pause, counts = AtBoundaries(), stopcock.PauseSignal(), []
+
+    def count(module, args):
+        counts.append(global_hooks())
+        mine.fire = len(counts) == 3
+
+    handle = text_model.register_forward_pre_hook(count)
+    try:
+        outcome = stopcock.run(
+            text_model, **ids, max_new_tokens=NEW, do_sample=False, stop=[mine, pause], mode="abort"
+        )
+    finally:
+        handle.remove()
+    assert counts == [0, 0, 0]  # never armed: it fires at the boundary after the third forward
+    assert (outcome.reason, outcome.steps, outcome.mode) == ("mine", 3, "abort")
+    assert global_hooks() == 0
+
+
 def test_a_pipelines_generate_settings_follow_its_generation_config(text_model_dir, tokenizer):
     """What a run reads of a text pipeline's generate settings (its total, how rows end) follows its
     generation config and the call's arguments: a change of either is seen at the next run."""

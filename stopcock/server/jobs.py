@@ -222,6 +222,8 @@ class Reached(Condition):
     on its own): a stop request then reads the step the run has really reached (see
     :meth:`Job.request_stop`), not the one its ``on_step`` reported last."""
 
+    fires_in_forward = False  # it never stops a run
+
     def __init__(self, job: Job) -> None:
         self._job = job
 
