@@ -16,7 +16,9 @@ the moment a stop becomes possible: a signal stops (armed by the stopping thread
 returns), a timeout or deadline is :data:`ARM_AHEAD` seconds away (armed by a timer thread), or at
 once for a condition of your own, which may fire at any moment. In finish mode with
 ``escalate_after=S``, the same checks are armed S seconds after a stop request that no step
-boundary has seen yet, and abort the run at the next module call.
+boundary has seen yet, and abort the run at the next module call. An adapter whose step check
+itself can wait (transformers' criterion joins generate's list only then) has it armed the same
+way by :meth:`RunControl.arming`, and also by a ``skip()``.
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from .conditions import (
     Condition,
@@ -49,12 +51,24 @@ from .types import MODES, Mode, choice
 if TYPE_CHECKING:
     from torch import nn
 
-    from .hooks import Tripwire
-
-__all__ = ["ARM_AHEAD", "Abort", "RunControl", "MODES", "Watch"]
+__all__ = ["ARM_AHEAD", "Abort", "RunControl", "MODES", "Watch", "Wire"]
 
 #: Seconds before a timeout or deadline expires at which abort mode arms its in-forward checks.
 ARM_AHEAD = 0.05
+
+
+class Wire(Protocol):
+    """Something a run arms (from any thread) the moment it is needed: a :class:`~stopcock.hooks.Tripwire`,
+    or a step check that waits to be armed. ``arm()`` is idempotent."""
+
+    armed: bool
+
+    def arm(self) -> None: ...
+
+
+#: What a wire is armed for: abort mode's in-forward checks, an escalating finish-mode stop's, or
+#: the checks at step boundaries (armed when a step could stop the run: a stop, a skip, a time limit).
+WireKind = Literal["abort", "escalate", "step"]
 
 
 class Abort(BaseException):
@@ -161,7 +175,7 @@ class RunControl:
         self._signals = (self.token, *self.watch.signals)
         self._unlink: list[Callable[[], None]] = []
         self._ended: float | None = None
-        self._wires: list[tuple[Tripwire, bool]] = []  # (tripwire, armed as abort mode arms it)
+        self._wires: list[tuple[Wire, WireKind]] = []
         self._lock = threading.RLock()  # re-entrant: stop() may run in a signal handler
         self._alarm: _Alarm | None = None
         self._start()
@@ -176,6 +190,13 @@ class RunControl:
     def on_step(self, fn: Callable[[StepState], object] | None) -> None:
         self._on_step = fn
         self._unwatched = fn is None and not self.watch.every_step  # quiet steps may take the fast path
+
+    @property
+    def steps_wait(self) -> bool:
+        """Whether a step boundary can stop the run only once :meth:`arming` arms its wire: no
+        ``on_step``, no condition that sees each step, no ``max_steps`` (so a step check may stay out
+        of the loop until then)."""
+        return self._unwatched and self.watch.max_steps == math.inf
 
     def _start(self) -> None:
         self.started = time.monotonic()
@@ -360,8 +381,7 @@ class RunControl:
         return min(times, default=now)
 
     # -- checks inside the forward, armed when needed ------------------------------------------------
-    @contextmanager
-    def intercept(self, *, abort: bool | None = None) -> Iterator[None]:
+    def intercept(self, *, abort: bool | None = None) -> AbstractContextManager[None]:
         """A check before every module call on this thread during the ``with`` block (the run's
         models, and any other module the run calls), armed only when needed.
 
@@ -372,54 +392,71 @@ class RunControl:
         """
         abort = self.mode == "abort" if abort is None else abort
         if not abort and self.escalate_after is None:
-            yield
-            return
+            return nullcontext()
+        return self._intercepting(abort)
+
+    @contextmanager
+    def _intercepting(self, abort: bool) -> Iterator[None]:
         from .hooks import Tripwire  # here: importing stopcock must not import torch
 
         with Tripwire(None, (lambda _m: self.poll()) if abort else self._poll_escalation) as wire:
-            with self._lock:
-                first = not self._wires
-                self._wires.append((wire, abort))
-            try:
-                if first:  # every stop of a signal of the run re-evaluates what is due
-                    self._unlink += [s.on_stop(self._stirred) for s in self._signals]
-                # a thread to wait for what is due later (made here, not in a stop() callback)
-                if self._alarm is None and (not abort or self._due is not None):
-                    self._alarm = _Alarm(self._arm_due)
-                self._stirred()
+            with self.arming(wire, "abort" if abort else "escalate"):
                 yield
-            finally:
-                with self._lock:
-                    self._wires.remove((wire, abort))
 
-    def _arm_at(self, abort: bool) -> float | None:
-        """When the checks of a tripwire armed this way are due (monotonic), or None: not yet known."""
-        if abort:
-            if self.watch.in_forward or any(s.stopped for s in self._signals):
-                return -math.inf
-            return None if self._due is None else self._due - ARM_AHEAD
-        assert self.escalate_after is not None
-        requested = [t for t in (self.token.stopped_at, self._due) if t is not None]
-        return min(requested) + self.escalate_after if requested else None
+    @contextmanager
+    def arming(self, wire: Wire, kind: WireKind = "step") -> Iterator[None]:
+        """During the ``with`` block, ``wire.arm()`` is called (by the thread that stops, skips, or a
+        timer thread; at once if it is due already) the moment ``kind`` needs it: see
+        :data:`WireKind` and the module docstring."""
+        with self._lock:
+            first = not self._wires
+            skips = kind == "step" and all(k != "step" for _, k in self._wires)
+            self._wires.append((wire, kind))
+        try:
+            if first:  # every stop of a signal of the run re-evaluates what is due (the signals it
+                # follows stop its token: their stops reach it there)
+                self._unlink += [s.on_stop(self._stirred) for s in self._signals if s not in self._followed]
+            if skips:  # and so does a skip, for the step checks
+                self._unlink += [s.on_skip(self._stirred) for s in self._followed]
+            # a thread to wait for what is due later (made here, not in a stop() callback)
+            if self._alarm is None and (kind == "escalate" or self._due is not None):
+                self._alarm = _Alarm(self._arm_due)
+            self._stirred()
+            yield
+        finally:
+            with self._lock:
+                self._wires.remove((wire, kind))
+
+    def _arm_at(self, kind: WireKind) -> float | None:
+        """When the wires of ``kind`` are due (monotonic), or None: not yet known."""
+        if kind == "escalate":
+            assert self.escalate_after is not None
+            requested = [t for t in (self.token.stopped_at, self._due) if t is not None]
+            return min(requested) + self.escalate_after if requested else None
+        if any(s.stopped for s in self._signals):
+            return -math.inf
+        if (kind == "abort" and self.watch.in_forward) or (kind == "step" and self._skip_called()):
+            return -math.inf
+        return None if self._due is None else self._due - ARM_AHEAD
 
     def _arm_due(self) -> float | None:
-        """Arm the tripwires whose moment has come; return the next moment one will, if any."""
+        """Arm the wires whose moment has come; return the next moment one will, if any."""
         now = time.monotonic()
         later: list[float] = []
         with self._lock:
-            for wire, abort in list(self._wires):
-                at = self._arm_at(abort)
+            for wire, kind in list(self._wires):
+                at = self._arm_at(kind)
                 if at is None or wire.armed:
                     continue
                 if at > now:
                     later.append(at)
-                elif abort or not self.seen:
+                elif kind != "escalate" or not self.seen:
                     wire.arm()
         return min(later, default=None)
 
     def _stirred(self) -> None:
-        """Something changed (a signal stopped, a tripwire was added): arm what is due now and
-        wake the alarm thread, which waits for what is due later."""
+        """Something changed (a signal stopped or skipped, a wire was added): arm what is due now
+        and wake the alarm thread, which waits for what is due later."""
         self._arm_due()
         alarm = self._alarm
         if alarm is not None:

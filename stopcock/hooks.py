@@ -32,7 +32,6 @@ replaces a method for this thread.
 from __future__ import annotations
 
 import collections
-import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
@@ -234,7 +233,11 @@ class _PerThread:
         self.obj, self.name = obj, name
         self.own = obj.__dict__.get(name)  # an instance attribute it replaces, put back at the end
         self.by_thread: dict[int, Callable[..., Any]] = {}
-        functools.update_wrapper(self, self.original())  # signature and docs of the original
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:
+        """The original, so ``inspect.signature`` reads its signature (diffusers reads the step's)."""
+        return self.original()
 
     def original(self) -> Callable[..., Any]:
         if self.own is not None:

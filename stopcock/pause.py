@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any
 
 from .conditions import Condition, top_level
@@ -117,13 +117,17 @@ class PauseSignal(Condition):
                 self._runs.pop(me, None)
 
 
-@contextmanager
-def holding(condition: Condition | None, token: StopSignal, target: Any) -> Iterator[None]:
+def holding(condition: Condition | None, token: StopSignal, target: Any) -> AbstractContextManager[Any]:
     """Bind every :class:`PauseSignal` at the top level of a run's conditions to the run."""
+    pauses = [leaf for leaf in top_level(condition) if isinstance(leaf, PauseSignal)]
+    return _held(pauses, token, target) if pauses else nullcontext()
+
+
+@contextmanager
+def _held(pauses: list[PauseSignal], token: StopSignal, target: Any) -> Iterator[None]:
     with ExitStack() as stack:
-        for leaf in top_level(condition):
-            if isinstance(leaf, PauseSignal):
-                stack.enter_context(leaf.bound(token, target))
+        for pause in pauses:
+            stack.enter_context(pause.bound(token, target))
         yield
 
 

@@ -28,6 +28,7 @@ class StopSignal:
         self._claim: dict[str, tuple[str]] = {}
         self._stopped_at: float | None = None
         self._callbacks = Callbacks(self._cond)
+        self._skip_callbacks = Callbacks(self._cond)
         self._children: weakref.WeakSet[StopSignal] = weakref.WeakSet()
         self._parent: StopSignal | None = None  # a child keeps its parent (and so the chain) alive
         self._skips = 0  # skip() calls: a run compares it with the count when its current item began
@@ -68,16 +69,9 @@ class StopSignal:
             callbacks = self._callbacks.drain()
             children = list(self._children)
             self._cond.notify_all()
-        errors: list[BaseException] = []
         for child in children:
             child.stop(reason)
-        for fn in callbacks:
-            try:
-                fn()
-            except Exception as exc:  # noqa: BLE001 - re-raised below, after every callback ran
-                errors.append(exc)
-        if errors:
-            raise errors[0]
+        _run_all(callbacks)
         return True
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -152,6 +146,11 @@ class StopSignal:
             children = list(self._children)
         for child in children:
             child.skip()
+        _run_all(self._skip_callbacks.snapshot())
+
+    def on_skip(self, fn: Callable[[], object]) -> Callable[[], None]:
+        """Run ``fn()`` after each :meth:`skip` (on the skipping thread). Returns a remover."""
+        return self._skip_callbacks.add(fn)
 
     def stop_after_item(self, reason: str = "user") -> bool:
         """Let the current item of a run finish, then start no new one; the run ends with ``reason``.
@@ -170,3 +169,15 @@ class StopSignal:
         for child in children:
             child.stop_after_item(reason)
         return True
+
+
+def _run_all(callbacks: list[Callable[[], object]]) -> None:
+    """Call each callback; if some raise, the others still run and the first error is raised."""
+    errors: list[BaseException] = []
+    for fn in callbacks:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after every callback ran
+            errors.append(exc)
+    if errors:
+        raise errors[0]

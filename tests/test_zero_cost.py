@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
+from transformers import StoppingCriteriaList, pipeline
 
 import stopcock
 from stopcock.conditions import Condition
@@ -215,6 +216,118 @@ def test_a_diffusers_run_builds_no_state_per_step_and_keeps_the_last_latents(sta
     torch.testing.assert_close(quiet.extra["denoised"], watched.extra["denoised"], rtol=0, atol=0)
 
 
+# -- finish mode: the criterion joins generate's loop only when a stop becomes possible -----------------
+OURS = "_RunCriteria"
+
+
+@pytest.fixture
+def checks(monkeypatch):
+    """For each check generate makes of its criteria list, the names of the criteria in it."""
+    seen: list[list[str]] = []
+    real = StoppingCriteriaList.__call__
+
+    def spying(self, input_ids, scores, **kwargs):
+        seen.append([type(c).__name__ for c in self])
+        return real(self, input_ids, scores, **kwargs)
+
+    monkeypatch.setattr(StoppingCriteriaList, "__call__", spying)
+    return seen
+
+
+@pytest.fixture
+def hold(text_model):
+    """``hold()`` puts a layer in the tiny GPT-2 that holds the forward of token 4 (the prefill
+    makes token 1) and returns it; the model is itself again after the test."""
+    original = text_model.transformer.h[1].mlp
+    layers: list[SlowLayer] = []
+
+    def install() -> SlowLayer:
+        layers.append(slow_down(text_model, "transformer.h.1.mlp", SlowLayer(hold_at=3)))
+        return layers[-1]
+
+    yield install
+    for layer in layers:
+        layer.release.set()
+    text_model.transformer.h[1].mlp = original
+
+
+@pytest.mark.parametrize("target", ["generate", "pipeline"])
+def test_finish_mode_joins_the_loop_when_another_thread_stops(text_model, tokenizer, checks, hold, target):
+    ids = tokenizer(["Hello world"], return_tensors="pt")
+    expected = text_model.generate(**ids, max_new_tokens=NEW, do_sample=False)
+    checks.clear()
+    held = hold()
+    signal = stopcock.StopSignal()
+
+    def stop_while_held() -> None:
+        held.entered.wait()
+        signal.stop("elsewhere")
+        held.release.set()
+
+    thread = threading.Thread(target=stop_while_held)
+    thread.start()
+    if target == "generate":
+        outcome = stopcock.run(text_model, **ids, max_new_tokens=NEW, do_sample=False, stop=signal)
+        assert torch.equal(outcome.output, expected[:, : ids["input_ids"].shape[1] + 4])
+    else:
+        pipe = pipeline("text-generation", model=text_model, tokenizer=tokenizer)
+        outcome = stopcock.run(pipe, "Hello world", max_new_tokens=NEW, do_sample=False, stop=signal)
+        text = tokenizer.decode(expected[0, : ids["input_ids"].shape[1] + 4])
+        assert outcome.output[0]["generated_text"] == text
+    thread.join()
+    # out of the loop for tokens 1 to 3; in it from the stop on, which ends the call after token 4
+    assert [OURS in names for names in checks] == [False, False, False, True]
+    assert (outcome.stopped, outcome.reason, outcome.steps, outcome.mode) == (True, "elsewhere", 4, "finish")
+    assert outcome.row_reasons == ["elsewhere"]
+
+
+def test_a_skip_arms_the_criterion_for_the_rest_of_the_run(text_model, tokenizer, checks):
+    pipe = pipeline("text-generation", model=text_model, tokenizer=tokenizer)
+    signal, forwards = stopcock.StopSignal(), []
+
+    def count(module, args, output):
+        forwards.append(1)
+        if len(forwards) == 3:  # the forward of the first item's token 3
+            signal.skip()
+
+    handle = text_model.register_forward_hook(count)
+    try:
+        outcome = stopcock.run(
+            pipe, ["Hello world", "Stop the pipeline"], max_new_tokens=NEW, do_sample=False, stop=signal
+        )
+    finally:
+        handle.remove()
+    assert outcome.item_reasons == ["skipped", "completed"] and outcome.steps == 3 + NEW
+    assert [OURS in names for names in checks] == [False, False] + [True] * (1 + NEW)
+
+
+def test_a_timeout_arms_the_criterion_shortly_before_it_expires(text_model, tokenizer, checks):
+    ids = tokenizer(["Hello world"], return_tensors="pt")
+    original = text_model.transformer.h[1].mlp
+    slow_down(text_model, "transformer.h.1.mlp", SlowLayer(seconds=0.25))  # each forward takes 0.25 s
+    try:
+        outcome = stopcock.run(
+            text_model, **ids, max_new_tokens=NEW, do_sample=False, stop=stopcock.timeout(1.0)
+        )
+    finally:
+        text_model.transformer.h[1].mlp = original
+    assert (outcome.stopped, outcome.reason) == (True, "timeout") and outcome.steps < NEW
+    # the first check is at 0.25 s, long before the criterion is armed (ARM_AHEAD before 1 s); the last has it
+    assert OURS not in checks[0] and OURS in checks[-1] and len(checks) == outcome.steps
+
+
+def test_what_must_see_every_token_keeps_the_criterion_in_the_loop(text_model, tokenizer, checks):
+    ids = tokenizer(["Hello world"], return_tensors="pt")
+    for stop in (stopcock.max_steps(100), stopcock.stop_strings(["zzz"]), stopcock.when(lambda state: False)):
+        checks.clear()
+        stopcock.run(text_model, **ids, max_new_tokens=3, do_sample=False, stop=stop, tokenizer=tokenizer)
+        assert [OURS in names for names in checks] == [True] * 3, stop
+    checks.clear()
+    beams = stopcock.StopSignal()
+    stopcock.run(text_model, **ids, max_new_tokens=3, num_beams=2, do_sample=False, stop=beams)
+    assert checks and all(OURS in names for names in checks)  # beam search: not the loop that may wait
+
+
 # -- abort mode: armed when a stop becomes possible, then within one module call -------------------------
 def test_abort_mode_installs_nothing_until_the_stop_then_aborts_inside_the_block(text_model, tokenizer):
     ids = tokenizer(["Hello world"], return_tensors="pt")
@@ -378,3 +491,17 @@ def test_a_pipelines_generate_settings_follow_its_generation_config(text_model_d
     model.generation_config.eos_token_id = first  # the first token generated now ends the row
     after = stopcock.run(pipe, "Hello", do_sample=False, max_new_tokens=3)
     assert (before.row_reasons, after.row_reasons, after.steps) == (["length"], ["eos"], 1)
+
+
+@pytest.mark.parametrize(
+    "build", [tiny.stable_diffusion_pipeline, tiny.sdxl_pipeline, tiny.ddpm_pipeline, tiny.flux_pipeline,
+              tiny.semantic_pipeline, tiny.modular_sdxl_pipeline],
+)
+def test_a_run_reads_the_components_diffusers_reports(build):
+    """The components a run binds, read without diffusers' per-call signature walk, are diffusers' own."""
+    from stopcock.adapters.diffusers import _Binding
+
+    pipe = build()
+    theirs = {name: c for name, c in dict(pipe.components).items() if c is not None}
+    ours = _Binding(pipe, RunControl())._components
+    assert list(ours) == list(theirs) and all(ours[name] is theirs[name] for name in theirs)

@@ -110,8 +110,8 @@ def resolve(
     accept the target. Detection tries the registered adapters whose library is imported: a
     target of a library that was never imported cannot exist, so nothing heavy is imported here.
     """
-    by_name: Mapping[str, Registered] = {entry.name: entry for entry in registry}
     if isinstance(adapter, str):
+        by_name: Mapping[str, Registered] = {entry.name: entry for entry in registry}
         if adapter not in by_name:
             raise ValueError(
                 f"adapter must be one of {sorted(by_name)} or an Adapter object, got {adapter!r}"

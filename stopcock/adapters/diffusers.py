@@ -283,6 +283,12 @@ def _positional_names(signature: inspect.Signature) -> tuple[str, ...]:
 
 
 # -- the binding ------------------------------------------------------------------------------------
+@functools.cache
+def _optional_parameters(cls: type[DiffusionPipeline]) -> frozenset[str]:
+    """A pipeline class's optional ``__init__`` parameters that are not components (diffusers' own rule)."""
+    return frozenset(cls._get_signature_keys(cls)[1])
+
+
 class _Binding:
     """One run's hooks on one pipeline: installed on enter, removed (and the pipeline reset) on exit.
 
@@ -343,8 +349,17 @@ class _Binding:
     # components
     @functools.cached_property
     def _components(self) -> dict[str, Any]:
-        """Read once per run (diffusers builds ``components`` from the class signature each time)."""
-        return {name: c for name, c in dict(self.pipe.components).items() if c is not None}
+        """Read once per run: as diffusers' ``components`` reads them, from the config's names less
+        the class's optional ``__init__`` parameters, which diffusers reads from the class signature
+        at every call (here once per class)."""
+        pipe = self.pipe
+        if isinstance(pipe, DiffusionPipeline) and type(pipe).components is DiffusionPipeline.components:
+            optional = _optional_parameters(type(pipe))
+            names = [k for k in pipe.config.keys() if not k.startswith("_") and k not in optional]
+            found = {k: getattr(pipe, k) for k in names}
+        else:
+            found = dict(pipe.components)
+        return {name: c for name, c in found.items() if c is not None}
 
     def _models(self) -> dict[str, torch.nn.Module]:
         return {n: c for n, c in self._components.items() if isinstance(c, torch.nn.Module)}

@@ -18,13 +18,25 @@ through that head. Several inputs (a list, a dataset, a generator) are run item 
 ``mode="abort"`` (or a finish-mode stop escalated by ``escalate_after=``) arms a forward pre-hook
 on every module call once a stop is possible, so a stop during a long prefill abandons the forward
 at the next module call.
+
+**Zero cost until stopped.** With transformers' own ``generate`` (and its greedy or sampling loop,
+a decoder-only model, and nothing that must see every token: no ``on_step``, stop strings,
+``max_steps``, or condition of your own), the criterion is not in the loop at all until a stop
+becomes possible: it takes the list generate builds for the call (``_get_stopping_criteria``) and
+appends itself to it when the run's control arms it (:meth:`RunControl.arming`: a stop, a skip, or a
+time limit about to expire), from the thread that stops; the loop's next check of its list, one
+token later, sees it. The tokens are then counted from the output (or, after an abort, read from
+the loop's ``input_ids``). Otherwise the criterion is in the list from the start.
 """
 
 from __future__ import annotations
 
+import inspect
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -36,6 +48,7 @@ from transformers import (
     StoppingCriteria,
     StoppingCriteriaList,
 )
+from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.utils.chat_template_utils import is_valid_message
 
@@ -50,6 +63,11 @@ from ..state import StepState
 __all__ = ["ADAPTER", "TransformersAdapter", "generates", "stopping_criteria"]
 
 _ABORTED = "aborted inside the model forward; output holds the token ids generated so far"
+#: generate's decoding loop for greedy search and sampling, the one a criterion may wait outside of
+_LOOP = inspect.unwrap(GenerationMixin._sample).__code__
+_LOOP_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
+#: transformers' generate builds each call's criteria list with this method (checked, not assumed)
+_BUILDS_LIST = "_get_stopping_criteria" in inspect.unwrap(GenerationMixin.generate).__code__.co_names
 _ABORTED_ITEMS = "aborted inside the model forward; output holds the results of the items done"
 
 
@@ -92,6 +110,11 @@ class _RunCriteria(StoppingCriteria):
         self.row_reasons: list[str] = []
         self.ended_early: Callable[[torch.Tensor], None] | None = None  # told when a stop ends a call
         self._none_done: torch.Tensor | None = None  # what a quiet token returns: no row done
+        self.may_wait = False  # the current call may leave the criterion out of its loop until armed
+        self.waited = False  # ... and did
+        self.armed = False  # a stop is possible: the criterion takes part in every call from now on
+        self._live: list[Any] | None = None  # the criteria list of the generate call running
+        self._joining = threading.RLock()  # re-entrant: arm() may run in a signal handler
         self.configure(pad_token_id, eos_token_ids, rows_per_item, max_new_tokens, max_length, prompt_len)
 
     def configure(
@@ -120,7 +143,76 @@ class _RunCriteria(StoppingCriteria):
         if self.last_ids is not None:
             self.base += self.new
             self.generation += 1
-        self.new, self.last_ids = 0, None
+        self.new, self.last_ids, self.waited = 0, None, False
+
+    # -- taking part in generate's own list (see the module docstring) ----------------------------
+    def join(self, live: list[Any], config: Any) -> None:
+        """Take part in the generate call whose criteria list is ``live``: now, or, when the call
+        may do without it (``config`` runs the greedy or sampling loop), once armed."""
+        wait = self.may_wait and config.get_generation_mode() in _LOOP_MODES
+        with self._joining:
+            self._live, self.waited = live, wait
+            if not wait or self.armed:
+                self._add()
+
+    def arm(self) -> None:
+        """From now on take part in every generate call of the run, the running one included (from
+        any thread: the loop's next check of its list calls the criterion)."""
+        with self._joining:
+            self.armed = True
+            if self._live is not None:
+                self._add()
+
+    def _add(self) -> None:
+        live = self._live
+        if live is not None and self not in live:
+            live.append(self)
+
+    def leave(self) -> None:
+        """The generate call is over."""
+        with self._joining:
+            self._live = None
+
+    def joining(self, model: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """The wrapper of ``model._get_stopping_criteria`` (for :func:`bound`) that joins its list."""
+
+        def wrap(build: Callable[..., Any]) -> Callable[..., Any]:
+            def build_and_join(*args: Any, **kwargs: Any) -> Any:
+                live = build(*args, **kwargs)
+                self.join(live, kwargs["generation_config"] if "generation_config" in kwargs else args[0])
+                return live
+
+            return build_and_join
+
+        return wrap
+
+    def observe(self, ids: torch.Tensor) -> None:
+        """The current call's token ids so far, seen without a call of the criterion (it waited)."""
+        assert self.given_prompt_len is not None  # a call waits only when the prompt length is known
+        self.prompt_len = self.given_prompt_len
+        self.last_ids, self.new = ids, ids.shape[1] - self.prompt_len
+        self.control.steps = self.base + self.new
+
+    def returned(self, output: Any) -> None:
+        """The current call returned ``output``: its tokens count, if the criterion never saw one."""
+        sequences = getattr(output, "sequences", output)
+        if self.waited and self.last_ids is None and isinstance(sequences, torch.Tensor):
+            self.observe(sequences)
+
+    def aborted(self, tb: TracebackType | None, model: Any) -> None:
+        """After an abort inside the current call (traceback ``tb``): if the call waited, the token
+        ids so far are those of generate's loop (its ``input_ids``, while a forward of ``model`` runs
+        for the next token); none when the abort came before the loop."""
+        if not self.waited:
+            return
+        ids = None
+        while tb is not None:
+            frame = tb.tb_frame
+            if frame.f_code is _LOOP and frame.f_locals.get("self") is model:
+                ids = frame.f_locals.get("input_ids")
+            tb = tb.tb_next
+        if isinstance(ids, torch.Tensor):
+            self.observe(ids)
 
     def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
         if self.last_ids is None or input_ids.shape[1] <= self.last_ids.shape[1]:
@@ -269,13 +361,18 @@ def _configure(criteria: _RunCriteria, settings: _Settings, prompt_len: int | No
     )
 
 
-def _with_ours(user: Any, ours: _RunCriteria) -> StoppingCriteriaList:
-    """The user's own criteria (a list or StoppingCriteriaList, or None) followed by ours."""
-    if user is not None and not isinstance(user, (list, tuple)):
+def _users(criteria: Any) -> Any:
+    """The user's own ``stopping_criteria=`` (a list or StoppingCriteriaList, or None), checked."""
+    if criteria is not None and not isinstance(criteria, (list, tuple)):
         raise TypeError(
-            f"stopping_criteria must be a StoppingCriteriaList or a list, got {type(user).__name__}"
+            f"stopping_criteria must be a StoppingCriteriaList or a list, got {type(criteria).__name__}"
         )
-    return StoppingCriteriaList([*(user or ()), ours])
+    return criteria
+
+
+def _with_ours(user: Any, ours: _RunCriteria) -> StoppingCriteriaList:
+    """The user's own criteria followed by ours."""
+    return StoppingCriteriaList([*(_users(user) or ()), ours])
 
 
 def stopping_criteria(stop: StopLike, tokenizer: Any = None) -> StoppingCriteriaList:
@@ -293,17 +390,55 @@ def stopping_criteria(stop: StopLike, tokenizer: Any = None) -> StoppingCriteria
 # -- running -------------------------------------------------------------------------------------
 
 
-def _guarded(control: RunControl, call: Callable[[], Any]) -> tuple[Any, bool]:
+def _guarded(
+    control: RunControl, call: Callable[[], Any], criteria: _RunCriteria | None = None, model: Any = None
+) -> tuple[Any, bool]:
     """``call()`` with a check before every module call, armed when a stop makes it needed (abort
     mode, or an escalating finish-mode stop). Returns (result, aborted): this run's :class:`Abort`
-    (from the check, or where a finish cannot end well) ends it there."""
+    (from the check, or where a finish cannot end well) ends it there; ``criteria`` then reads the
+    tokens so far of ``model``'s generate call from the abort's traceback."""
     try:
         with control.intercept():
             return call(), False
     except Abort as exc:
         if exc.control is not control:
             raise
+        if criteria is not None:
+            criteria.aborted(exc.__traceback__, model)
         return None, True
+
+
+def _plain_generate(model: Any) -> bool:
+    """Whether ``model.generate`` is transformers' own (not overridden, no instance attribute), which
+    builds each call's criteria list with ``model._get_stopping_criteria``."""
+    return _BUILDS_LIST and type(model).generate is GenerationMixin.generate and "generate" not in vars(model)
+
+
+@contextmanager
+def _taking_part(
+    criteria: _RunCriteria, control: RunControl, model: Any, kwargs: dict[str, Any], *, plain: bool
+) -> Iterator[None]:
+    """For one generate call of ``model`` with ``kwargs`` (changed in place): the criterion in the
+    call's criteria list, at once or once armed (see the module docstring); ``plain``: the model's
+    generate is transformers' own (:func:`_plain_generate`, read before any binding of ours)."""
+    if not plain or kwargs.get("custom_generate") is not None:
+        criteria.may_wait = False
+        kwargs["stopping_criteria"] = _with_ours(kwargs.get("stopping_criteria"), criteria)
+        yield
+        return
+    _users(kwargs.get("stopping_criteria"))  # a wrong type fails here, before generate
+    criteria.may_wait = (
+        criteria.strings is None
+        and control.steps_wait
+        and criteria.given_prompt_len is not None
+        and type(model)._sample is GenerationMixin._sample
+        and kwargs.get("assistant_model") is None
+    )
+    try:
+        with bound(model, "_get_stopping_criteria", criteria.joining(model)):
+            yield
+    finally:
+        criteria.leave()
 
 
 def _end_streamer(streamer: Any, criteria: _RunCriteria, aborted: bool) -> None:
@@ -359,14 +494,20 @@ def _run_generate(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], con
         control.total = criteria.max_new_tokens
     elif criteria.max_length is not None and prompt is not None and decoder_only:
         control.total = criteria.max_length - prompt.shape[-1]
-    kwargs = {**kwargs, "stopping_criteria": _with_ours(kwargs.get("stopping_criteria"), criteria)}
+    kwargs = dict(kwargs)
     start = prompt if decoder_only or prompt is None else prompt[:, :0]
     if control.check():
         output, aborted = start, False
     else:
-        output, aborted = _guarded(control, lambda: model.generate(*args, **kwargs))
+        with ExitStack() as stack:
+            stack.enter_context(_taking_part(criteria, control, model, kwargs, plain=_plain_generate(model)))
+            if criteria.may_wait:
+                stack.enter_context(control.arming(criteria))
+            output, aborted = _guarded(control, lambda: model.generate(*args, **kwargs), criteria, model)
         if aborted:
             output = criteria.so_far(start, int(settings.get("num_return_sequences") or 1))
+        else:
+            criteria.returned(output)
     _end_streamer(kwargs.get("streamer"), criteria, aborted)
     sequences = getattr(output, "sequences", output)
     if isinstance(sequences, torch.Tensor):
@@ -426,6 +567,7 @@ class _PipelineRun:
         self.pipe, self.model, self.control = pipe, pipe.model, control
         self.calls = calls  # the generate calls planned (one per item or batch), when known
         self.criteria: _RunCriteria | None = None
+        self.plain = False  # the model's generate is transformers' own (read before it is bound)
         self.notes: list[str] = []
         self.cut_texts: list[str] = []  # the text so far of each row of a generate call a stop cut short
         if not generates(pipe):
@@ -435,15 +577,21 @@ class _PipelineRun:
         if not text_out or _stop_head(self.model) is not None:
             refuse_row_conditions(control.condition, f"a {type(pipe).__name__}, whose model makes no text")
         self.criteria = _make_criteria(control, pipe.tokenizer)
-        _with_ours(kwargs.get("stopping_criteria"), self.criteria)  # a wrong type fails before the run
+        _users(kwargs.get("stopping_criteria"))  # a wrong type fails before the run
+        self.plain = _plain_generate(self.model)
 
     @contextmanager
     def bound(self) -> Iterator[None]:
-        """For the run, the model's generate takes the criterion (on this thread only)."""
-        if self.criteria is None:
+        """For the run, the model's generate takes the criterion (on this thread only), which may
+        wait to be armed (see the module docstring)."""
+        criteria = self.criteria
+        if criteria is None:
             yield
             return
-        with bound(self.model, "generate", self._wrap):
+        with ExitStack() as stack:
+            if self.plain and criteria.strings is None and self.control.steps_wait:
+                stack.enter_context(self.control.arming(criteria))
+            stack.enter_context(bound(self.model, "generate", self._wrap))
             yield
 
     def _wrap(self, generate: Callable[..., Any]) -> Callable[..., Any]:
@@ -462,9 +610,11 @@ class _PipelineRun:
                 if head is not None:
                     stack.enter_context(self._own_loop(head, settings))
                 else:
-                    kwargs["stopping_criteria"] = _with_ours(kwargs.get("stopping_criteria"), criteria)
+                    part = _taking_part(criteria, self.control, self.model, kwargs, plain=self.plain)
+                    stack.enter_context(part)
                     stack.enter_context(self._delay_pattern())
                 result = generate(*args, **kwargs)
+            criteria.returned(result)
             if criteria.last_ids is None:
                 self._note(f"{type(self.model).__name__}.generate ran no stopping criterion: stopped between"
                            " items only")
@@ -517,17 +667,17 @@ class _PipelineRun:
             yield
         criteria.last_ids = torch.zeros(1, criteria.new)  # the steps made, for the next call's count
 
-    @contextmanager
-    def _delay_pattern(self) -> Iterator[None]:
+    def _delay_pattern(self) -> AbstractContextManager[None]:
         """MusicGen's delay pattern offsets codebook k by k steps, and its mask, built for the full
         length, pads each codebook's tail there; its own ending raises on a shorter output. When a
         stop ends it early, the mask MusicGen keeps for that call gets the same tail padding at the
         length reached, so the output holds the frames that are complete in every codebook."""
         candidates = (self.model, getattr(self.model, "decoder", None))
         decoder: Any = next((m for m in candidates if hasattr(m, "build_delay_pattern_mask")), None)
-        if decoder is None:
-            yield
-            return
+        return nullcontext() if decoder is None else self._padding_codebooks(decoder)
+
+    @contextmanager
+    def _padding_codebooks(self, decoder: Any) -> Iterator[None]:
         kept: list[tuple[torch.Tensor, Any]] = []  # the call's mask, and the pad id it uses
 
         def keep(build: Callable[..., Any]) -> Callable[..., Any]:
@@ -622,7 +772,7 @@ def _run_pipeline(
 
     aborted = False
     if not control.check():
-        _, aborted = _guarded(control, go)
+        _, aborted = _guarded(control, go, criteria, pipe.model)
     output = results if many else (results[0] if results else [])
     extra: dict[str, Any] = {"items": len(results)} if many else {}
     if criteria is None:
