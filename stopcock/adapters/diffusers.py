@@ -352,10 +352,10 @@ class _Binding:
         """Read once per run: as diffusers' ``components`` reads them, from the config's names less
         the class's optional ``__init__`` parameters, which diffusers reads from the class signature
         at every call (here once per class)."""
-        pipe = self.pipe
+        pipe: Any = self.pipe
         if isinstance(pipe, DiffusionPipeline) and type(pipe).components is DiffusionPipeline.components:
             optional = _optional_parameters(type(pipe))
-            names = [k for k in pipe.config.keys() if not k.startswith("_") and k not in optional]
+            names = [k for k in pipe.config if not k.startswith("_") and k not in optional]
             found = {k: getattr(pipe, k) for k in names}
         else:
             found = dict(pipe.components)
