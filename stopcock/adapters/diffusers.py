@@ -38,7 +38,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from typing import Any, Literal, NoReturn, get_args
+from typing import Any, Literal, NoReturn, cast, get_args
 
 import torch
 from diffusers import DiffusionPipeline, ModularPipeline
@@ -352,10 +352,11 @@ class _Binding:
         """Read once per run: as diffusers' ``components`` reads them, from the config's names less
         the class's optional ``__init__`` parameters, which diffusers reads from the class signature
         at every call (here once per class)."""
-        pipe: Any = self.pipe
+        pipe = self.pipe
         if isinstance(pipe, DiffusionPipeline) and type(pipe).components is DiffusionPipeline.components:
             optional = _optional_parameters(type(pipe))
-            names = [k for k in pipe.config if not k.startswith("_") and k not in optional]
+            config: Any = cast(Any, pipe).config  # a ConfigMixin property diffusers' stubs do not show
+            names = [k for k in config if not k.startswith("_") and k not in optional]
             found = {k: getattr(pipe, k) for k in names}
         else:
             found = dict(pipe.components)
