@@ -174,6 +174,7 @@ class RunControl:
         self.escalated: float | None = None  # seconds from the stop request to the escalation
         self._signals = (self.token, *self.watch.signals)
         self._unlink: list[Callable[[], None]] = []
+        self._forwarded: tuple[StopSignal, ...] = ()  # the signals whose stops stop the token (once entered)
         self._ended: float | None = None
         self._wires: list[tuple[Wire, WireKind]] = []
         self._lock = threading.RLock()  # re-entrant: stop() may run in a signal handler
@@ -211,6 +212,7 @@ class RunControl:
         self._start()
         self._skip_base = self._skips()
         self._unlink += [signal.on_stop(self._forward(signal)) for signal in self._followed]
+        self._forwarded = self._followed  # their stops reach the token from now on
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -413,9 +415,9 @@ class RunControl:
             skips = kind == "step" and all(k != "step" for _, k in self._wires)
             self._wires.append((wire, kind))
         try:
-            if first:  # every stop of a signal of the run re-evaluates what is due (the signals it
-                # follows stop its token: their stops reach it there)
-                self._unlink += [s.on_stop(self._stirred) for s in self._signals if s not in self._followed]
+            if first:  # every stop of a signal of the run re-evaluates what is due (those forwarded
+                # to the token reach it there)
+                self._unlink += [s.on_stop(self._stirred) for s in self._signals if s not in self._forwarded]
             if skips:  # and so does a skip, for the step checks
                 self._unlink += [s.on_skip(self._stirred) for s in self._followed]
             # a thread to wait for what is due later (made here, not in a stop() callback)

@@ -387,6 +387,22 @@ def test_a_diffusers_abort_lands_at_the_next_module_and_the_next_run_is_identica
     assert (pipe(**kwargs()).images == reference).all()
 
 
+@pytest.mark.parametrize("entered", [True, False], ids=["entered", "not entered"])
+def test_a_users_signal_arms_the_checks_whether_or_not_the_control_was_entered(entered):
+    """Entered, the control forwards the user's stop to its token, which arms; not entered, the
+    user's signal arms directly."""
+    signal = stopcock.StopSignal()
+    control = RunControl(signal, mode="abort")
+    if entered:
+        control.__enter__()
+    with control.intercept():
+        assert global_hooks() == 0
+        signal.stop("now")
+        assert global_hooks() == 1
+    assert global_hooks() == 0
+    control.close()
+
+
 def test_a_timeout_arms_abort_mode_shortly_before_it_expires(text_model, tokenizer):
     ids = tokenizer(["Hello world"], return_tensors="pt")
     slow = SlowLayer(hold_at=0)  # the prefill never ends by itself: only the timeout ends it
