@@ -163,6 +163,12 @@ class _RunCriteria(StoppingCriteria):
             if self._live is not None:
                 self._add()
 
+    @property
+    def can_wait(self) -> bool:
+        """Whether nothing but an armed stop needs the criterion in the loop (no stop strings, and a
+        control whose step boundaries wait: see :attr:`RunControl.steps_wait`)."""
+        return self.strings is None and self.control.steps_wait
+
     def _add(self) -> None:
         live = self._live
         if live is not None and self not in live:
@@ -173,18 +179,15 @@ class _RunCriteria(StoppingCriteria):
         with self._joining:
             self._live = None
 
-    def joining(self, model: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        """The wrapper of ``model._get_stopping_criteria`` (for :func:`bound`) that joins its list."""
+    def joining(self, build: Callable[..., Any]) -> Callable[..., Any]:
+        """The wrapper of a model's ``_get_stopping_criteria`` (for :func:`bound`) that joins its list."""
 
-        def wrap(build: Callable[..., Any]) -> Callable[..., Any]:
-            def build_and_join(*args: Any, **kwargs: Any) -> Any:
-                live = build(*args, **kwargs)
-                self.join(live, kwargs["generation_config"] if "generation_config" in kwargs else args[0])
-                return live
+        def build_and_join(*args: Any, **kwargs: Any) -> Any:
+            live = build(*args, **kwargs)
+            self.join(live, kwargs["generation_config"] if "generation_config" in kwargs else args[0])
+            return live
 
-            return build_and_join
-
-        return wrap
+        return build_and_join
 
     def observe(self, ids: torch.Tensor) -> None:
         """The current call's token ids so far, seen without a call of the criterion (it waited)."""
@@ -416,7 +419,7 @@ def _plain_generate(model: Any) -> bool:
 
 @contextmanager
 def _taking_part(
-    criteria: _RunCriteria, control: RunControl, model: Any, kwargs: dict[str, Any], *, plain: bool
+    criteria: _RunCriteria, model: Any, kwargs: dict[str, Any], *, plain: bool
 ) -> Iterator[None]:
     """For one generate call of ``model`` with ``kwargs`` (changed in place): the criterion in the
     call's criteria list, at once or once armed (see the module docstring); ``plain``: the model's
@@ -428,14 +431,13 @@ def _taking_part(
         return
     _users(kwargs.get("stopping_criteria"))  # a wrong type fails here, before generate
     criteria.may_wait = (
-        criteria.strings is None
-        and control.steps_wait
+        criteria.can_wait
         and criteria.given_prompt_len is not None
         and type(model)._sample is GenerationMixin._sample
         and kwargs.get("assistant_model") is None
     )
     try:
-        with bound(model, "_get_stopping_criteria", criteria.joining(model)):
+        with bound(model, "_get_stopping_criteria", criteria.joining):
             yield
     finally:
         criteria.leave()
@@ -500,7 +502,7 @@ def _run_generate(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], con
         output, aborted = start, False
     else:
         with ExitStack() as stack:
-            stack.enter_context(_taking_part(criteria, control, model, kwargs, plain=_plain_generate(model)))
+            stack.enter_context(_taking_part(criteria, model, kwargs, plain=_plain_generate(model)))
             if criteria.may_wait:
                 stack.enter_context(control.arming(criteria))
             output, aborted = _guarded(control, lambda: model.generate(*args, **kwargs), criteria, model)
@@ -589,7 +591,7 @@ class _PipelineRun:
             yield
             return
         with ExitStack() as stack:
-            if self.plain and criteria.strings is None and self.control.steps_wait:
+            if self.plain and criteria.can_wait:
                 stack.enter_context(self.control.arming(criteria))
             stack.enter_context(bound(self.model, "generate", self._wrap))
             yield
@@ -610,8 +612,7 @@ class _PipelineRun:
                 if head is not None:
                     stack.enter_context(self._own_loop(head, settings))
                 else:
-                    part = _taking_part(criteria, self.control, self.model, kwargs, plain=self.plain)
-                    stack.enter_context(part)
+                    stack.enter_context(_taking_part(criteria, self.model, kwargs, plain=self.plain))
                     stack.enter_context(self._delay_pattern())
                 result = generate(*args, **kwargs)
             criteria.returned(result)
