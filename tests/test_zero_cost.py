@@ -436,9 +436,11 @@ class Always(Condition):
         return self.reason if self.fire else None
 
 
-def test_a_condition_of_your_own_is_armed_from_the_start(text_model, tokenizer):
+def fired_at_third_forward(text_model, tokenizer, mine, stop):
+    """An abort-mode run in which ``mine`` fires from the third forward of the model on; the run's
+    Outcome, and the global hooks installed at the start of each forward."""
     ids = tokenizer(["Hello world"], return_tensors="pt")
-    mine, counts = Always(), []
+    counts: list[int] = []
 
     def count(module, args):
         counts.append(global_hooks())
@@ -447,10 +449,16 @@ def test_a_condition_of_your_own_is_armed_from_the_start(text_model, tokenizer):
     handle = text_model.register_forward_pre_hook(count)
     try:
         outcome = stopcock.run(
-            text_model, **ids, max_new_tokens=NEW, do_sample=False, stop=mine, mode="abort"
+            text_model, **ids, max_new_tokens=NEW, do_sample=False, stop=stop, mode="abort"
         )
     finally:
         handle.remove()
+    return outcome, counts
+
+
+def test_a_condition_of_your_own_is_armed_from_the_start(text_model, tokenizer):
+    mine = Always()
+    outcome, counts = fired_at_third_forward(text_model, tokenizer, mine, mine)
     assert counts[0] == 1  # armed before the first forward
     assert (outcome.reason, outcome.steps, outcome.mode) == ("mine", 2, "abort")
 
@@ -465,20 +473,8 @@ class AtBoundaries(Always):
 
 
 def test_a_condition_that_never_fires_in_a_forward_arms_abort_mode_only_once_stopped(text_model, tokenizer):
-    ids = tokenizer(["Hello world"], return_tensors="pt")
-    mine, pause, counts = AtBoundaries(), stopcock.PauseSignal(), []
-
-    def count(module, args):
-        counts.append(global_hooks())
-        mine.fire = len(counts) == 3
-
-    handle = text_model.register_forward_pre_hook(count)
-    try:
-        outcome = stopcock.run(
-            text_model, **ids, max_new_tokens=NEW, do_sample=False, stop=[mine, pause], mode="abort"
-        )
-    finally:
-        handle.remove()
+    mine = AtBoundaries()
+    outcome, counts = fired_at_third_forward(text_model, tokenizer, mine, [mine, stopcock.PauseSignal()])
     assert counts == [0, 0, 0]  # never armed: it fires at the boundary after the third forward
     assert (outcome.reason, outcome.steps, outcome.mode) == ("mine", 3, "abort")
     assert global_hooks() == 0
