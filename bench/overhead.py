@@ -25,6 +25,7 @@ import torch
 from transformers import MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList, pipeline
 
 import stopcock
+from stopcock.adapters.diffusers_loop import LoopModels
 from stopcock.control import RunControl
 from stopcock.hooks import Tripwire
 
@@ -76,6 +77,7 @@ class Config:
     image_steps: int
     image_target: float
     rounds: Rounds
+    image_rounds: Rounds  # an image call is four times a text call: more time to resolve the same margin
     check_calls: int
     fixed_calls: int  # rounds of the fixed-cost timing of a text call (an image call: a fifth of them)
 
@@ -85,6 +87,7 @@ QUICK = Config(
     image_steps=3,
     image_target=0.995,
     rounds=Rounds(least=2, most=2, budget_s=0),
+    image_rounds=Rounds(least=2, most=2, budget_s=0),
     check_calls=200,
     fixed_calls=5,
 )
@@ -93,12 +96,13 @@ FULL = Config(
     image_steps=20,
     image_target=0.995,
     rounds=Rounds(least=60, most=1500, budget_s=360),
+    image_rounds=Rounds(least=60, most=1500, budget_s=900),
     check_calls=20000,
     fixed_calls=300,
 )
 
 #: Costs timed as what a variant adds to a base call (paired batches, median), not on their own.
-DIFFERENCES = ("in_list", "module_unarmed", "module_armed", "step")
+DIFFERENCES = ("in_list", "module_unarmed", "module_armed", "native_step", "step", "torch_hook", "record")
 Arms = dict[str, Callable[[], tuple[float, float]]]  # name -> one timed call: (wall, CPU) seconds
 
 
@@ -311,6 +315,11 @@ def check_costs(table: Table, calls: int, device: Device) -> dict[str, float]:
          "native_step", "every denoising step, native interrupt"),
         ("stopcock's wrapped `scheduler.step`, nothing can fire (finish and abort)", "step",
          "every denoising step"),
+        ("a torch forward hook that does nothing (the anchor for any model hook: torch's dispatch)",
+         "torch_hook", "each call of the hooked module"),
+        ("stopcock's recording of a loop model's output (a forward hook: after a finish-mode stop the loop"
+         " is fast-forwarded from it)", "record",
+         "each loop model call (the tiny SD's UNet: once per step), finish and abort"),
     ]
     for what, key, paid in rows:
         table.add(what, f"{costs[key] * 1e6:.2f}", "difference" if key in DIFFERENCES else "best of 5", paid)
@@ -318,8 +327,10 @@ def check_costs(table: Table, calls: int, device: Device) -> dict[str, float]:
 
 
 def _step_costs(calls: int, device: Device) -> dict[str, float]:
-    """Per denoising step: stopcock's wrapped ``scheduler.step`` over the bare one (DDIM on the tiny
-    SD latents), and what diffusers itself runs per step for a ``callback_on_step_end``."""
+    """Per denoising step, each added to a real ``scheduler.step`` (DDIM on the tiny SD latents), so
+    both run in the same state of the caches: stopcock's wrapped step, and what diffusers itself runs
+    per step for a ``callback_on_step_end``. Per loop model call: stopcock's recording hook, beside a
+    torch forward hook that does nothing (timed on a small module, where their cost shows)."""
     pipe = image_pipeline(device=device)
     scheduler = pipe.scheduler
     scheduler.set_timesteps(20)
@@ -330,18 +341,37 @@ def _step_costs(calls: int, device: Device) -> dict[str, float]:
     def attached() -> Any:
         return stopcock.attach(pipe, stopcock.StopSignal())
 
-    wrapped = added(lambda: scheduler.step(noise, t, latents), lambda: scheduler.step(noise, t, latents),
-                    calls, device, attached)
+    def step() -> Any:
+        return scheduler.step(noise, t, latents)
+
     callback, inputs = _interrupt_callback(), ["latents"]
 
     def native_step(i: int = 5) -> Any:  # the lines of StableDiffusionPipeline.__call__'s loop
+        result = step()
         callback_kwargs = {}
         for k in inputs:
             callback_kwargs[k] = {"latents": latents}[k]
         outputs = callback(pipe, i, t, callback_kwargs)
-        return outputs.pop("latents", latents)
+        return result, outputs.pop("latents", latents)
 
-    return {"step": wrapped, "native_step": per_call(native_step, calls, device)}
+    costs = {"step": added(step, step, calls, device, attached),
+             "native_step": added(step, native_step, calls, device)}
+    block = device.place(torch.nn.Linear(8, 8))
+    x = torch.zeros(1, 8, device=device.name, dtype=device.torch_dtype)
+
+    @contextlib.contextmanager
+    def torch_hook() -> Iterator[None]:
+        handle = block.register_forward_hook(lambda _module, _args, _output: None)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    with torch.no_grad():
+        costs["torch_hook"] = added(lambda: block(x), lambda: block(x), calls, device, torch_hook)
+        recording = LoopModels([block]).recording
+        costs["record"] = added(lambda: block(x), lambda: block(x), calls, device, recording)
+    return costs
 
 
 # -- the fixed cost of a call of run() ------------------------------------------------------------------
@@ -510,7 +540,8 @@ def run(quick: bool = False, device: Device = CPU) -> Section:
 
     label = "tiny SD 64x64, DDIM"
     data["image"][label], data["resolution"][label] = compare(
-        image, label, config.image_steps, image_arms(config.image_steps), config.image_target, config.rounds
+        image, label, config.image_steps, image_arms(config.image_steps), config.image_target,
+        config.image_rounds,
     )
     data["fixed"]["image"] = fixed_costs(
         checks, f"{label} pipeline (2 steps)", sd, ("a red fox",),
@@ -536,7 +567,8 @@ def run(quick: bool = False, device: Device = CPU) -> Section:
             " Rounds are added"
             " until the A/A arm's CI is narrower than the target's margin (0.5%, or 0.1% for the"
             f" 12-layer model), between {config.rounds.least} and {config.rounds.most} rounds and at"
-            f" most {config.rounds.budget_s:g} s a table; read a ratio against its table's A/A row."
+            f" most {config.rounds.budget_s:g} s a text table ({config.image_rounds.budget_s:g} s the image"
+            " table); read a ratio against its table's A/A row."
         ),
         tables=[text, image, checks, implied, *([syncs] if device.cuda else [])],
         notes=[
@@ -617,7 +649,9 @@ def _headline(data: dict[str, Any]) -> list[str]:
         f"Timed directly: stopcock's criterion {c['criterion'] * 1e6:.2f} µs per token against"
         f" {c['max_length'] * 1e6:.2f} µs for transformers' `MaxLengthCriteria`; the wrapped"
         f" `scheduler.step` {c['step'] * 1e6:.2f} µs per step against {c['native_step'] * 1e6:.2f} µs for"
-        f" diffusers' `callback_on_step_end`; abort mode before a stop {c['module_unarmed'] * 1e6:.2f} µs"
+        f" diffusers' `callback_on_step_end`, and the recording hook {c['record'] * 1e6:.2f} µs per loop"
+        f" model call against {c['torch_hook'] * 1e6:.2f} µs for a torch hook that does nothing; abort mode"
+        f" before a stop {c['module_unarmed'] * 1e6:.2f} µs"
         f" per module call (nothing installed), {c['module_armed'] * 1e6:.2f} µs once armed."
     )
     f = data["fixed"]

@@ -17,8 +17,9 @@ returns), a timeout or deadline is :data:`ARM_AHEAD` seconds away (armed by a ti
 once for a condition of your own, which may fire at any moment. In finish mode with
 ``escalate_after=S``, the same checks are armed S seconds after a stop request that no step
 boundary has seen yet, and abort the run at the next module call. An adapter whose step check
-itself can wait (transformers' criterion joins generate's list only then) has it armed the same
-way by :meth:`RunControl.arming`, and also by a ``skip()``.
+itself can wait (transformers' criterion joins generate's list only then; diffusers' wrapped
+``scheduler.step`` only counts the step until then) has it armed the same way by
+:meth:`RunControl.arming`, and also by a ``skip()``.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from .types import MODES, Mode, choice
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["ARM_AHEAD", "Abort", "RunControl", "MODES", "Watch", "Wire"]
+__all__ = ["ARM_AHEAD", "Abort", "Flag", "RunControl", "MODES", "Watch", "Wire"]
 
 #: Seconds before a timeout or deadline expires at which abort mode arms its in-forward checks.
 ARM_AHEAD = 0.05
@@ -64,6 +65,16 @@ class Wire(Protocol):
     armed: bool
 
     def arm(self) -> None: ...
+
+
+class Flag:
+    """The plainest :class:`Wire`: a flag that a hot path reads (``armed``), raised when armed."""
+
+    def __init__(self, armed: bool = False) -> None:
+        self.armed = armed
+
+    def arm(self) -> None:
+        self.armed = True
 
 
 #: What a wire is armed for: abort mode's in-forward checks, an escalating finish-mode stop's, or

@@ -5,6 +5,7 @@ and once armed an abort lands at the next module call, with the next run bit-ide
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -214,6 +215,95 @@ def test_a_diffusers_run_builds_no_state_per_step_and_keeps_the_last_latents(sta
     # what the fast path left to read later is what a watched run saw at its last step
     torch.testing.assert_close(quiet.latents, watched.latents, rtol=0, atol=0)
     torch.testing.assert_close(quiet.extra["denoised"], watched.extra["denoised"], rtol=0, atol=0)
+
+
+@pytest.fixture
+def boundaries(monkeypatch):
+    """The step counts at which runs made a step check (``RunControl.quiet_step``)."""
+    seen: list[int] = []
+    real = RunControl.quiet_step
+
+    def spying(self, steps):
+        seen.append(steps)
+        return real(self, steps)
+
+    monkeypatch.setattr(RunControl, "quiet_step", spying)
+    return seen
+
+
+def sd_kwargs(steps: int = 6) -> dict[str, Any]:
+    return {"prompt": "a cat", "num_inference_steps": steps, "output_type": "latent",
+            "generator": torch.Generator().manual_seed(0)}
+
+
+def test_a_diffusers_step_is_only_counted_until_another_thread_stops(boundaries):
+    pipe = tiny.stable_diffusion_pipeline()
+    expected = stopcock.run(pipe, **sd_kwargs(), stop=stopcock.max_steps(3))  # max_steps: checked every step
+    boundaries.clear()
+    signal, entered, release, calls = stopcock.StopSignal(), threading.Event(), threading.Event(), []
+
+    def hold_third(module, args):  # holds the UNet's forward of step 3 until the other thread has stopped
+        calls.append(1)
+        if len(calls) == 3:
+            entered.set()
+            release.wait(timeout=60)
+
+    def stop_while_held() -> None:
+        entered.wait()
+        signal.stop("elsewhere")
+        release.set()
+
+    handle = pipe.unet.register_forward_pre_hook(hold_third)
+    thread = threading.Thread(target=stop_while_held)
+    thread.start()
+    try:
+        outcome = stopcock.run(pipe, **sd_kwargs(), stop=signal)
+    finally:
+        handle.remove()
+        release.set()
+        thread.join()
+    # step 1 (where the loop is found) and step 3 (armed by the stop) are checked; step 2 only counted
+    assert boundaries == [1, 3]
+    assert (outcome.stopped, outcome.reason, outcome.steps, outcome.total_steps) == (True, "elsewhere", 3, 6)
+    assert outcome.extra.get("path") == expected.extra.get("path") and outcome.partial == expected.partial
+    torch.testing.assert_close(outcome.latents, expected.latents, rtol=0, atol=0)
+
+
+def test_a_skip_arms_the_diffusers_step_check(boundaries):
+    pipe = tiny.stable_diffusion_pipeline()
+    signal, calls = stopcock.StopSignal(), []
+
+    def skip_in_third(module, args, output):
+        calls.append(1)
+        if len(calls) == 3:
+            signal.skip()
+
+    handle = pipe.unet.register_forward_hook(skip_in_third)
+    try:
+        outcome = stopcock.run(pipe, **sd_kwargs(), stop=signal)
+    finally:
+        handle.remove()
+    assert boundaries == [1, 3] and (outcome.reason, outcome.steps) == ("skipped", 3)
+
+
+def test_a_timeout_arms_the_diffusers_step_check_shortly_before_it_expires(boundaries):
+    pipe = tiny.stable_diffusion_pipeline()
+    handle = pipe.unet.register_forward_pre_hook(lambda module, args: time.sleep(0.25))  # 0.25 s a step
+    try:
+        outcome = stopcock.run(pipe, **sd_kwargs(), stop=stopcock.timeout(1.0))
+    finally:
+        handle.remove()
+    assert (outcome.stopped, outcome.reason) == (True, "timeout") and outcome.steps < 6
+    # step 2 ends at about 0.5 s, long before the check is armed (ARM_AHEAD before 1 s); the last is checked
+    assert boundaries[0] == 1 and 2 not in boundaries and boundaries[-1] == outcome.steps
+
+
+@pytest.mark.parametrize(
+    "stop", [stopcock.max_steps(100), stopcock.when(lambda state: False)], ids=["max_steps", "when"]
+)
+def test_what_must_see_every_diffusers_step_checks_every_step(boundaries, stop):
+    stopcock.run(tiny.stable_diffusion_pipeline(), **sd_kwargs(4), stop=stop)
+    assert boundaries == [1, 2, 3, 4]
 
 
 # -- finish mode: the criterion joins generate's loop only when a stop becomes possible -----------------

@@ -9,7 +9,11 @@ How a run is bound (one mechanism for every pipeline kind, decided at run time):
   denoiser calls would make counting denoiser forwards wrong. It also sees the latents and the
   scheduler's estimate of the clean sample (x0), used for ``partial="denoised"``. Stages (a combined
   pipeline's prior, then decoder) add up; a second scheduler stepped within the same loop, or a copy
-  stepped again with no model call in between (one per frame chunk), is not counted twice.
+  stepped again with no model call in between (one per frame chunk), is not counted twice. While
+  nothing can stop the run at a step (no ``on_step``, no ``max_steps`` or condition that sees each
+  step) the counted loop's step is only counted, until :meth:`~stopcock.control.RunControl.arming`
+  arms the run's ``steps_wire`` (a stop, a ``skip()``, a time limit 50 ms away); the latents and
+  x0 estimate of the last step are read from its arguments only when needed.
 - **Finish**: at the boundary where the stop is seen, the pipeline's own ``_interrupt`` flag is raised
   (inside the call, after the pipeline reset it, so it cannot be lost), and the models called in that
   step are held (:mod:`stopcock.adapters.diffusers_loop`). A loop that checks the flag skips its
@@ -46,7 +50,7 @@ from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
 from ..conditions import StopLike, refuse_row_conditions
-from ..control import Abort, RunControl
+from ..control import Abort, Flag, RunControl
 from ..events import StreamEvents
 from ..hooks import input_hooks
 from ..intercept import intercepted
@@ -224,12 +228,18 @@ class _StepWrapper(_SchedulerMethod):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if threading.get_ident() != self.owner:
             return self.original(*args, **kwargs)
-        model_output, timestep, sample = self.named(args, kwargs)
-        held = self.binding.held(self, sample, args, kwargs)
+        binding = self.binding
+        if binding.stepping is self.scheduler and binding.stopped_in is None:
+            # the counted loop's next step, no stop yet: nothing to decide before it
+            result = self.original(*args, **kwargs)
+            if not binding.steps_wire.armed:
+                binding.went_past(self, args, kwargs, result)
+                return result
+            return binding.step_done(self, args, kwargs, result)
+        held = binding.held(self, self.named(args, kwargs)[2], args, kwargs)
         if held is not None:
             return held
-        result = self.original(*args, **kwargs)
-        return self.binding.step_done(self, model_output, timestep, sample, result)
+        return binding.step_done(self, args, kwargs, self.original(*args, **kwargs))
 
     def named(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:
         """(model_output, timestep, sample) of a call, by name: not every step() takes them first
@@ -341,10 +351,13 @@ class _Binding:
         self.aborted = False
         self.latents: Any = None
         self.denoised: Any = None
-        self._last: tuple[Any, Any, Any, Any] | None = None  # see _settle
+        self._last: tuple[_StepWrapper, tuple[Any, ...], dict[str, Any], Any] | None = None  # see _settle
+        # armed once a step could stop the run (see RunControl.arming); until then a step is only counted
+        self.steps_wire = Flag(armed=True)
         self.latents_kind: str | None = None  # "raw" or "denoised": what self.latents holds at a stop
         self.notes: list[str] = []
         self._stack = ExitStack()
+        self._untimed_watch = ExitStack()  # the hook counting steps by the denoiser, until a scheduler steps
 
     # components
     @functools.cached_property
@@ -394,7 +407,11 @@ class _Binding:
                 self._stack.enter_context(_replaced(self.pipe, name, _Stage(stage, self)))
             self._stack.enter_context(self.models.recording())
             self._stack.callback(self.models.release)
-            self._stack.enter_context(input_hooks(self.models.models, self._before_forward))
+            self._stack.enter_context(self._untimed_watch)  # closed at the first scheduler step
+            self._untimed_watch.enter_context(input_hooks(self.models.models, self._before_forward))
+            if self.control.steps_wait:
+                self.steps_wire.armed = False
+                self._stack.enter_context(self.control.arming(self.steps_wire))
             # A check before every module call, armed once a stop makes it needed: abort mode, or
             # an escalating finish-mode stop.
             self._stack.enter_context(self.control.intercept())
@@ -579,12 +596,25 @@ class _Binding:
             result = self.results[id(wrapper.scheduler)] = wrapper.original(*args, **kwargs)
         return _with_sample(result, result[0] if sample is None else sample)
 
+    def went_past(
+        self, wrapper: _StepWrapper, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any
+    ) -> None:
+        """A step of the counted loop while nothing can stop the run at a step (``steps_wire`` is not
+        armed): counted; its latents and x0 estimate are read only if needed (:meth:`_settle`)."""
+        self.pos += 1
+        self.control.steps += 1
+        self._last = (wrapper, args, kwargs, result)
+        self.models.next_step()
+
     def step_done(
-        self, wrapper: _StepWrapper, model_output: Any, timestep: Any, sample: Any, result: Any
+        self, wrapper: _StepWrapper, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any
     ) -> Any:
         family = wrapper.family
         scheduler = wrapper.scheduler
-        self.results_seen = True
+        model_output, timestep, sample = wrapper.named(args, kwargs)
+        if not self.results_seen:  # a scheduler steps: the denoiser's calls need not count the steps
+            self.results_seen = True
+            self._untimed_watch.close()
         stopping = self.stopped_in is not None and not self.stage_over
         if family is not self.stepping:
             in_stage = self.stepping is not None and self.pos < self.stage_end
@@ -600,7 +630,7 @@ class _Binding:
             return result  # another copy stepped with no model call since: the same step (one per frame)
         self.pos += 1
         if self.control.quiet_step(self.control.steps + 1):
-            self._last = (scheduler, model_output, sample, result)  # latents and x0 estimate, read if needed
+            self._last = (wrapper, args, kwargs, result)  # latents and x0 estimate, read if needed
             self.models.next_step()
             return result
         self._last = None
@@ -658,10 +688,11 @@ class _Binding:
         """The latents and x0 estimate of the last step the fast path went past, read now: the
         scheduler has not stepped since (an abort inside the next step's forward, or the run's end)."""
         if self._last is not None:
-            scheduler, model_output, sample, result = self._last
+            wrapper, args, kwargs, result = self._last
             self._last = None
+            model_output, _, sample = wrapper.named(args, kwargs)
             self.latents = result[0]
-            self.denoised = _denoised(scheduler, model_output, sample, result)
+            self.denoised = _denoised(wrapper.scheduler, model_output, sample, result)
 
     def outcome(self, output: Any) -> Outcome:
         self._settle()
