@@ -1,8 +1,10 @@
 """1. Overhead: throughput of ``stopcock.run(..., stop=StopSignal())`` vs the plain call, same model.
 
-A stop that is never requested should cost nothing: a run adds one flag read per step (the
-criterion or the wrapped ``scheduler.step`` take their fast path) and, in abort mode, nothing per
-module call (the in-forward checks are armed only when a stop becomes possible). Each table runs
+A stop that is never requested should cost nothing: before a stop is possible a token of
+transformers' own loop runs no code of stopcock's (the criterion joins generate's list only when
+armed), a denoising step one flag read in the wrapped ``scheduler.step`` (plus the hook recording
+the loop model's output), and, in abort mode, a module call nothing (the in-forward checks are
+armed only when a stop becomes possible). Each table runs
 five arms interleaved in rotating order: the plain call, the plain call again (the A/A arm: its
 ratio to the first is pure noise), the library's native way to stop (a flag-reading
 ``StoppingCriteria``, a ``callback_on_step_end`` setting the interrupt flag), and ``run`` in
