@@ -446,9 +446,11 @@ class RunControl:
             assert self.escalate_after is not None
             requested = [t for t in (self.token.stopped_at, self._due) if t is not None]
             return min(requested) + self.escalate_after if requested else None
-        if any(s.stopped for s in self._signals):
-            return -math.inf
-        if (kind == "abort" and self.watch.in_forward) or (kind == "step" and self._skip_called()):
+        if (
+            any(s.stopped for s in self._signals)
+            or (kind == "abort" and self.watch.in_forward)
+            or (kind == "step" and self._skip_called())
+        ):
             return -math.inf
         return None if self._due is None else self._due - ARM_AHEAD
 

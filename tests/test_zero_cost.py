@@ -39,19 +39,24 @@ def global_hooks() -> int:
     return len(torch_module._global_forward_pre_hooks)
 
 
+def spied(monkeypatch, owner: type, name: str, note: Any) -> list[Any]:
+    """``owner.name`` watched for the test: each call first appends ``note(self, *args)`` to the list
+    returned, then runs as it would."""
+    seen: list[Any] = []
+    real = getattr(owner, name)
+
+    def spy(self, *args, **kwargs):
+        seen.append(note(self, *args))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(owner, name, spy)
+    return seen
+
+
 @pytest.fixture
 def states(monkeypatch):
-    """The StepStates runs build, counted."""
-    built: list[object] = []
-    real = RunControl.state
-
-    def counting(self, **kwargs):
-        state = real(self, **kwargs)
-        built.append(state)
-        return state
-
-    monkeypatch.setattr(RunControl, "state", counting)
-    return built
+    """One entry for each StepState runs build."""
+    return spied(monkeypatch, RunControl, "state", lambda control: control.steps)
 
 
 # -- the tripwire ------------------------------------------------------------------------------------
@@ -220,15 +225,7 @@ def test_a_diffusers_run_builds_no_state_per_step_and_keeps_the_last_latents(sta
 @pytest.fixture
 def boundaries(monkeypatch):
     """The step counts at which runs made a step check (``RunControl.quiet_step``)."""
-    seen: list[int] = []
-    real = RunControl.quiet_step
-
-    def spying(self, steps):
-        seen.append(steps)
-        return real(self, steps)
-
-    monkeypatch.setattr(RunControl, "quiet_step", spying)
-    return seen
+    return spied(monkeypatch, RunControl, "quiet_step", lambda control, steps: steps)
 
 
 def sd_kwargs(steps: int = 6) -> dict[str, Any]:
@@ -313,15 +310,10 @@ OURS = "_RunCriteria"
 @pytest.fixture
 def checks(monkeypatch):
     """For each check generate makes of its criteria list, the names of the criteria in it."""
-    seen: list[list[str]] = []
-    real = StoppingCriteriaList.__call__
+    def names(criteria: StoppingCriteriaList, *_: Any) -> list[str]:
+        return [type(c).__name__ for c in criteria]
 
-    def spying(self, input_ids, scores, **kwargs):
-        seen.append([type(c).__name__ for c in self])
-        return real(self, input_ids, scores, **kwargs)
-
-    monkeypatch.setattr(StoppingCriteriaList, "__call__", spying)
-    return seen
+    return spied(monkeypatch, StoppingCriteriaList, "__call__", names)
 
 
 @pytest.fixture
