@@ -100,7 +100,7 @@ FULL = Config(
     rounds=Rounds(least=60, most=1500, budget_s=360),
     image_rounds=Rounds(least=60, most=1500, budget_s=900),
     check_calls=20000,
-    fixed_calls=300,
+    fixed_calls=1000,
 )
 
 #: Costs timed as what a variant adds to a base call (paired batches, median), not on their own.
@@ -167,9 +167,10 @@ def _arms(plain: Callable[..., Any], target: Any, args: tuple[Any, ...], kwargs:
     }
 
 
-def _measure(arms: Arms, target: float, rounds: Rounds) -> dict[str, list[tuple[float, float]]]:
+def _measure(arms: Arms, target: float, rounds: Rounds) -> tuple[dict[str, list[tuple[float, float]]], float]:
     """Interleaved rounds until the A/A CPU-time ratio's 95% CI is narrower than ``1 - target``
-    (at least ``rounds.least``, at most ``rounds.most`` rounds or ``rounds.budget_s`` seconds)."""
+    (at least ``rounds.least``, at most ``rounds.most`` rounds or ``rounds.budget_s`` seconds); the
+    times, and the seconds the rounds took."""
     batch = 2 * len(arms)  # each arm in each position of the rotation, twice
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in arms}
     interleaved(arms, 0, warmup=1)
@@ -180,9 +181,10 @@ def _measure(arms: Arms, target: float, rounds: Rounds) -> dict[str, list[tuple[
                 times[name] += values
             n = len(times[PLAIN])
             lo, hi = median_ci(_ratios(times, AA, cpu=True))
-            enough = hi - lo <= 1 - target or time.monotonic() - started > rounds.budget_s
+            took = time.monotonic() - started
+            enough = hi - lo <= 1 - target or took > rounds.budget_s
             if n >= rounds.most or (n >= rounds.least and enough):
-                return times
+                return times, took
 
 
 def _ratios(times: dict[str, list[tuple[float, float]]], arm: str, *, cpu: bool) -> list[float]:
@@ -198,22 +200,29 @@ def _fastest(times: list[tuple[float, float]]) -> float:
 
 @dataclass
 class Resolution:
-    """How well a table resolved its target: its rounds and the width of the A/A ratio's 95% CI."""
+    """How well a table resolved its target: its rounds, the seconds they took, and the width of
+    the A/A ratio's 95% CI."""
 
     target: float
     rounds: int
+    seconds: float
     aa_width: float
 
     @property
     def resolved(self) -> bool:
         return self.aa_width <= 1 - self.target
 
+    @property
+    def needed(self) -> float:
+        """How many times these rounds the margin needs at this noise (a CI narrows as 1/sqrt(rounds))."""
+        return (self.aa_width / (1 - self.target)) ** 2
+
 
 def compare(
     table: Table, label: str, steps: int, arms: Arms, target: float, rounds: Rounds
 ) -> tuple[dict[str, Any], Resolution]:
     """Time the arms, add one row per arm; the numbers per arm, and the table's resolution."""
-    times = _measure(arms, target, rounds)
+    times, took = _measure(arms, target, rounds)
     out: dict[str, Any] = {}
     for name, values in times.items():
         wall, cpu = _ratios(times, name, cpu=False), _ratios(times, name, cpu=True)
@@ -232,7 +241,7 @@ def compare(
             f"{found['fast_cpu_ratio']:.4f}",
         )
     lo, hi = out[AA]["cpu_ci"]
-    return out, Resolution(target, len(times[PLAIN]), hi - lo)
+    return out, Resolution(target, len(times[PLAIN]), took, hi - lo)
 
 
 # -- the direct per-call timings ------------------------------------------------------------------------
@@ -411,8 +420,9 @@ def fixed_costs(table: Table, what: str, plain: Callable[..., Any], args: tuple[
         call = target or plain
         return outside_forwards(lambda: stopcock.run(call, *args, stop=stop, mode=mode, **kwargs()))
 
-    times = interleaved({"plain": lambda: outside_forwards(lambda: plain(*args, **kwargs())),
-                         "finish": lambda: with_run("finish"), "abort": lambda: with_run("abort")}, calls)
+    with frozen_heap():
+        times = interleaved({"plain": lambda: outside_forwards(lambda: plain(*args, **kwargs())),
+                             "finish": lambda: with_run("finish"), "abort": lambda: with_run("abort")}, calls)
     found = {"plain": median(times["plain"])}
     for mode in ("finish", "abort"):
         found[mode] = median([t - p for p, t in zip(times["plain"], times[mode], strict=True)])
@@ -625,7 +635,8 @@ def _verdicts(data: dict[str, Any]) -> list[str]:
                 f"the A/A CI is {r.aa_width:.2%} wide, within the {1 - r.target:.1%} margin"
                 if r.resolved
                 else f"the A/A CI is {r.aa_width:.2%} wide, wider than the {1 - r.target:.1%} margin:"
-                " the table cannot resolve the target on this machine at this load"
+                f" the table cannot resolve the target on this machine at this load (at this noise it would"
+                f" take about {r.needed * r.rounds:,.0f} rounds, {r.needed * r.seconds / 3600:.1f} h)"
             )
             lines.append(f"{label}, target {r.target:g}: {modes}; {r.rounds} rounds, {resolution}.")
     return lines
