@@ -151,21 +151,32 @@ CPU = Device()
 
 
 # -- timing ----------------------------------------------------------------------------------------
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of ``n`` arms (a Williams design) in which each arm takes each position equally often
+    and comes right after each other arm equally often: what ran just before a call (a cache warm
+    from the same code, memory the last call freed) then favours no arm. ``n`` orders, ``2n`` for
+    an odd ``n``. A plain rotation keeps the cyclic order, so each arm always follows the same one."""
+    first = [0] + [(k + 1) // 2 if k % 2 else n - k // 2 for k in range(1, n)]  # 0, 1, n-1, 2, n-2...
+    orders = [[(a + i) % n for a in first] for i in range(n)]
+    return orders + [order[::-1] for order in orders] if n % 2 else orders
+
+
 def interleaved(arms: dict[str, Callable[[], T]], reps: int, warmup: int = 1) -> dict[str, list[T]]:
     """Call each arm ``reps`` times (after ``warmup`` discarded calls), interleaved.
 
-    Each round rotates the order, so slow drift (other processes, thermal state) hits every arm
-    alike; each arm returns its own measurement.
+    Each round calls every arm once, in the next of the :func:`balanced_orders`, so slow drift
+    (other processes, thermal state) and the call before each one hit every arm alike; each arm
+    returns its own measurement.
     """
     names = list(arms)
     for _ in range(warmup):
         for name in names:
             arms[name]()
+    orders = balanced_orders(len(names))
     results: dict[str, list[T]] = {name: [] for name in names}
     for r in range(reps):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:
-            results[name].append(arms[name]())
+        for i in orders[r % len(orders)]:
+            results[names[i]].append(arms[names[i]]())
     return results
 
 

@@ -27,6 +27,7 @@ from .common import (
     Probe,
     Section,
     Table,
+    balanced_orders,
     blocks,
     image_pipeline,
     median,
@@ -123,16 +124,17 @@ ARMS = ("no stop (rest of the run)", "native", "stopcock finish", "stopcock abor
 
 
 def measure(s: Scenario, reps: int) -> dict[str, list[dict[str, Any]]]:
-    """Run every arm ``reps`` times in rotating order; the raw measurements per arm."""
+    """Run every arm ``reps`` times in balanced orders (:func:`balanced_orders`); the raw measurements
+    per arm."""
     setups: dict[str, Callable[[], ArmSetup]] = {ARMS[0]: lambda: plain_arm(s)}
     setups[ARMS[1]] = lambda: s.native(s)
     setups[ARMS[2]] = lambda: stopcock_arm(s, "finish")
     setups[ARMS[3]] = lambda: stopcock_arm(s, "abort")
     names = list(setups)
     s.results = {name: [] for name in names}
+    orders = balanced_orders(len(names))
     for r in range(reps):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:
+        for name in (names[i] for i in orders[r % len(orders)]):
             call, stop, steps_of = setups[name]()
             timing = stop_from_thread(call, stop, s.probe(), s.device)
             s.results[name].append(

@@ -5,7 +5,8 @@ transformers' own loop runs no code of stopcock's (the criterion joins generate'
 armed), a denoising step one flag read in the wrapped ``scheduler.step`` (plus the hook recording
 the loop model's output), and, in abort mode, a module call nothing (the in-forward checks are
 armed only when a stop becomes possible). Each table runs
-five arms interleaved in rotating order: the plain call, the plain call again (the A/A arm: its
+five arms interleaved in balanced orders (each arm in each position, and right
+after each other arm, equally often): the plain call, the plain call again (the A/A arm: its
 ratio to the first is pure noise), the library's native way to stop (a flag-reading
 ``StoppingCriteria``, a ``callback_on_step_end`` setting the interrupt flag), and ``run`` in
 finish and abort mode. Rounds are added until the A/A ratio's 95% confidence interval is narrower
@@ -37,6 +38,7 @@ from .common import (
     Device,
     Section,
     Table,
+    balanced_orders,
     clocked,
     frozen_heap,
     image_pipeline,
@@ -171,7 +173,7 @@ def _measure(arms: Arms, target: float, rounds: Rounds) -> tuple[dict[str, list[
     """Interleaved rounds until the A/A CPU-time ratio's 95% CI is narrower than ``1 - target``
     (at least ``rounds.least``, at most ``rounds.most`` rounds or ``rounds.budget_s`` seconds); the
     times, and the seconds the rounds took."""
-    batch = 2 * len(arms)  # each arm in each position of the rotation, twice
+    batch = len(balanced_orders(len(arms)))  # one whole balanced design per batch
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in arms}
     interleaved(arms, 0, warmup=1)
     started = time.monotonic()
@@ -413,7 +415,7 @@ def outside_forwards(call: Callable[[], object]) -> float:
 def fixed_costs(table: Table, what: str, plain: Callable[..., Any], args: tuple[Any, ...],
                 kwargs: Callable[[], dict[str, Any]], calls: int, target: Any = None) -> dict[str, float]:
     """The plain call's own time outside its forwards (the anchor), and what ``run`` on ``target``
-    (default ``plain``) adds to it in each mode: medians over ``calls`` rounds in rotating order."""
+    (default ``plain``) adds to it in each mode: medians over ``calls`` rounds in balanced orders."""
 
     def with_run(mode: str) -> float:
         stop = stopcock.StopSignal()
@@ -565,8 +567,9 @@ def run(quick: bool = False, device: Device = CPU) -> Section:
     return Section(
         title="1. Overhead of a stop that is never requested",
         intro=(
-            f"On {device.describe()}. Same model, same inputs; five arms interleaved in rotating order"
-            " after a warm-up: the plain call, the plain call again (A/A: its ratio to the first is the"
+            f"On {device.describe()}. Same model, same inputs; five arms interleaved after a warm-up, in"
+            " balanced orders (each arm in each position, and right after each other arm, equally often):"
+            " the plain call, the plain call again (A/A: its ratio to the first is the"
             " noise of the table), the library's native stop (transformers: a `StoppingCriteria` reading"
             " a flag; diffusers: a `callback_on_step_end` setting `_interrupt`), and `run` with a"
             " `StopSignal` that never fires, in finish and abort mode. Text: new tokens from a 16-token"
@@ -608,9 +611,9 @@ def run(quick: bool = False, device: Device = CPU) -> Section:
             "Fixed cost per call: the host time of a call outside its model forwards (before the first"
             " module call starts, after the last one returns), timed with a global forward pre-hook and hook,"
             " for the plain call (what the library itself does there: the anchor) and for `run`, whose figure"
-            f" is what it adds (median over {config.fixed_calls} rounds in rotating order; an image call over"
-            " a fifth of them). It is paid once per call, whatever its length: the implied-overhead table"
-            " adds it to the per-token cost at the throughput tables' token counts.",
+            f" is what it adds (median over {config.fixed_calls} rounds in balanced orders; an image call"
+            " over a fifth of them). It is paid once per call, whatever its length: the implied-overhead"
+            " table adds it to the per-token cost at the throughput tables' token counts.",
             "Host-device synchronisations are counted on CUDA only (`--device cuda`)." if not device.cuda
             else "A per-call constant (the row reasons read at the end of a run) cancels out of the"
             " per-step figure.",

@@ -9,6 +9,8 @@ forward starts after a stop, and the partial result is what was asked for.
 from __future__ import annotations
 
 import math
+from collections import Counter
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -23,8 +25,26 @@ from bench.__main__ import (
     run_benchmarks,
     update_readme,
 )
-from bench.common import machine_info, quiet
+from bench.common import balanced_orders, interleaved, machine_info, quiet
 from bench.latency import ARMS
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_balanced_orders_put_every_arm_everywhere_and_after_every_other_arm_equally(n: int):
+    orders = balanced_orders(n)
+    assert all(sorted(order) == list(range(n)) for order in orders)
+    positions = Counter((arm, i) for order in orders for i, arm in enumerate(order))
+    after = Counter(pair for order in orders for pair in pairwise(order))
+    assert len(positions) == n * n and len(set(positions.values())) == 1
+    assert len(after) == n * (n - 1) and len(set(after.values())) == 1
+
+
+def test_interleaved_calls_each_arm_once_a_round_in_the_balanced_orders():
+    calls: list[str] = []
+    arms = {name: (lambda name=name: calls.append(name) or name) for name in "abc"}
+    results = interleaved(arms, 6, warmup=0)
+    assert results == {name: [name] * 6 for name in "abc"}
+    assert calls == ["abc"[i] for order in balanced_orders(3) for i in order]
 
 
 @pytest.fixture(scope="module")
