@@ -10,6 +10,7 @@ point of the same step.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,9 +28,9 @@ from .common import (
     Probe,
     Section,
     Table,
-    balanced_orders,
     blocks,
     image_pipeline,
+    interleaved,
     median,
     ms,
     prompt_ids,
@@ -124,28 +125,25 @@ ARMS = ("no stop (rest of the run)", "native", "stopcock finish", "stopcock abor
 
 
 def measure(s: Scenario, reps: int) -> dict[str, list[dict[str, Any]]]:
-    """Run every arm ``reps`` times in balanced orders (:func:`balanced_orders`); the raw measurements
-    per arm."""
+    """Run every arm ``reps`` times, interleaved (:func:`interleaved`, no warm-up); the raw
+    measurements per arm."""
     setups: dict[str, Callable[[], ArmSetup]] = {ARMS[0]: lambda: plain_arm(s)}
     setups[ARMS[1]] = lambda: s.native(s)
     setups[ARMS[2]] = lambda: stopcock_arm(s, "finish")
     setups[ARMS[3]] = lambda: stopcock_arm(s, "abort")
-    names = list(setups)
-    s.results = {name: [] for name in names}
-    orders = balanced_orders(len(names))
-    for r in range(reps):
-        for name in (names[i] for i in orders[r % len(orders)]):
-            call, stop, steps_of = setups[name]()
-            timing = stop_from_thread(call, stop, s.probe(), s.device)
-            s.results[name].append(
-                {
-                    "latency": timing.latency,
-                    "steps": len(timing.probe.step_starts) if steps_of is None else steps_of(timing.result),
-                    "reported": getattr(timing.result, "stop_latency", None),  # stopcock's own account
-                    "forwards_after_stop": timing.steps_started_after_stop(),
-                    "step_durations": timing.probe.step_durations(),
-                }
-            )
+
+    def once(setup: Callable[[], ArmSetup]) -> dict[str, Any]:
+        call, stop, steps_of = setup()
+        timing = stop_from_thread(call, stop, s.probe(), s.device)
+        return {
+            "latency": timing.latency,
+            "steps": len(timing.probe.step_starts) if steps_of is None else steps_of(timing.result),
+            "reported": getattr(timing.result, "stop_latency", None),  # stopcock's own account
+            "forwards_after_stop": timing.steps_started_after_stop(),
+            "step_durations": timing.probe.step_durations(),
+        }
+
+    s.results = interleaved({name: functools.partial(once, setup) for name, setup in setups.items()}, reps, 0)
     return s.results
 
 

@@ -4,14 +4,14 @@ A stop that is never requested should cost nothing: before a stop is possible a 
 transformers' own loop runs no code of stopcock's (the criterion joins generate's list only when
 armed), a denoising step one flag read in the wrapped ``scheduler.step`` (plus the hook recording
 the loop model's output), and, in abort mode, a module call nothing (the in-forward checks are
-armed only when a stop becomes possible). Each table runs
-five arms interleaved in balanced orders (each arm in each position, and right
-after each other arm, equally often): the plain call, the plain call again (the A/A arm: its
-ratio to the first is pure noise), the library's native way to stop (a flag-reading
-``StoppingCriteria``, a ``callback_on_step_end`` setting the interrupt flag), and ``run`` in
-finish and abort mode. Rounds are added until the A/A ratio's 95% confidence interval is narrower
-than the target (or a round limit is reached: the table then says it did not resolve it). The
-direct per-call timings, beside the libraries' own criterion and callback, are the stable figure.
+armed only when a stop becomes possible). Each table runs five arms interleaved in balanced orders
+(each arm in each position, and right after each other arm, equally often): the plain call, the
+plain call again (the A/A arm: its ratio to the first is pure noise), the library's native way
+to stop (a flag-reading ``StoppingCriteria``, a ``callback_on_step_end`` setting the interrupt
+flag), and ``run`` in finish and abort mode. Rounds are added until the A/A ratio's 95%
+confidence interval is narrower than the target (or a round limit is reached: the table then says
+it did not resolve it). The direct per-call timings, beside the libraries' own criterion and
+callback, are the stable figure.
 """
 
 from __future__ import annotations
