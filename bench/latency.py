@@ -143,7 +143,8 @@ def measure(s: Scenario, reps: int) -> dict[str, list[dict[str, Any]]]:
             "step_durations": timing.probe.step_durations(),
         }
 
-    s.results = interleaved({name: functools.partial(once, setup) for name, setup in setups.items()}, reps, 0)
+    arms = {name: functools.partial(once, setup) for name, setup in setups.items()}
+    s.results = interleaved(arms, reps, warmup=0)
     return s.results
 
 
