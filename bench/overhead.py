@@ -8,21 +8,25 @@ armed only when a stop becomes possible). Each table runs five arms interleaved 
 (each arm in each position, and right after each other arm, equally often): the plain call, the
 plain call again (the A/A arm: its ratio to the first is pure noise), the library's native way
 to stop (a flag-reading ``StoppingCriteria``, a ``callback_on_step_end`` setting the interrupt
-flag), and ``run`` in finish and abort mode. Rounds are added until the A/A ratio's 95%
-confidence interval is narrower than the target (or a round limit is reached: the table then says
-it did not resolve it). The direct per-call timings, beside the libraries' own criterion and
-callback, are the stable figure.
+flag), and ``run`` in finish and abort mode. The rounds are taken in shares, each in a fresh
+process (its own code and data layout, which can shift a ratio by more than the noise between
+calls), and the 95% confidence intervals come from a bootstrap over the processes, then the rounds
+in each. Shares are added until the A/A ratio's interval and those of ``run`` are narrower than
+the target's margin (or a limit is reached: the table then says it did not resolve it). The direct
+per-call timings, beside the libraries' own criterion and callback, are the stable figure.
 """
 
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any, Literal
 
 import torch
 from transformers import MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList, pipeline
@@ -38,15 +42,15 @@ from .common import (
     Device,
     Section,
     Table,
-    balanced_orders,
     clocked,
+    cluster_median_ci,
     frozen_heap,
     image_pipeline,
     interleaved,
     median,
-    median_ci,
     prompt_ids,
     quantile,
+    quiet,
     text_model,
     timed,
 )
@@ -62,9 +66,15 @@ PLAIN, AA, NATIVE, FINISH, ABORT = (
 
 @dataclass(frozen=True)
 class Rounds:
+    """How a throughput table takes its rounds: in shares of ``per_process`` rounds, each in a fresh
+    process (``fresh``; in this one for the smoke test), at least ``least`` and at most ``most``
+    shares, and past ``least`` until the intervals resolve the margin or ``budget_s`` have passed."""
+
+    per_process: int
     least: int
     most: int
-    budget_s: float  # a table stops adding rounds after this long
+    budget_s: float
+    fresh: bool = True
 
 
 @dataclass(frozen=True)
@@ -90,8 +100,8 @@ QUICK = Config(
     text=(TextCase((2, 64, 2), 8, 0.995, pipeline=True),),
     image_steps=3,
     image_target=0.995,
-    rounds=Rounds(least=2, most=2, budget_s=0),
-    image_rounds=Rounds(least=2, most=2, budget_s=0),
+    rounds=Rounds(per_process=2, least=2, most=2, budget_s=0, fresh=False),
+    image_rounds=Rounds(per_process=2, least=2, most=2, budget_s=0, fresh=False),
     check_calls=200,
     fixed_calls=5,
 )
@@ -99,8 +109,8 @@ FULL = Config(
     text=(TextCase((2, 64, 2), 64, 0.995, pipeline=True), TextCase((12, 384, 6), 16, 0.999)),
     image_steps=20,
     image_target=0.995,
-    rounds=Rounds(least=60, most=1500, budget_s=360),
-    image_rounds=Rounds(least=60, most=1500, budget_s=900),
+    rounds=Rounds(per_process=60, least=6, most=40, budget_s=360),
+    image_rounds=Rounds(per_process=30, least=6, most=60, budget_s=900),
     check_calls=20000,
     fixed_calls=1000,
 )
@@ -108,6 +118,7 @@ FULL = Config(
 #: Costs timed as what a variant adds to a base call (paired batches, median), not on their own.
 DIFFERENCES = ("in_list", "module_unarmed", "module_armed", "native_step", "step", "torch_hook", "record")
 Arms = dict[str, Callable[[], tuple[float, float]]]  # name -> one timed call: (wall, CPU) seconds
+Times = dict[str, list[tuple[float, float]]]  # name -> the (wall, CPU) seconds of its calls
 
 
 class _Flag(StoppingCriteria):
@@ -169,30 +180,90 @@ def _arms(plain: Callable[..., Any], target: Any, args: tuple[Any, ...], kwargs:
     }
 
 
-def _measure(arms: Arms, target: float, rounds: Rounds) -> tuple[dict[str, list[tuple[float, float]]], float]:
-    """Interleaved rounds until the A/A CPU-time ratio's 95% CI is narrower than ``1 - target``
-    (at least ``rounds.least``, at most ``rounds.most`` rounds or ``rounds.budget_s`` seconds); the
-    times, and the seconds the rounds took."""
-    batch = len(balanced_orders(len(arms)))  # one whole balanced design per batch
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in arms}
-    interleaved(arms, 0, warmup=1)
-    started = time.monotonic()
-    with frozen_heap():
-        while True:
-            for name, values in interleaved(arms, min(batch, rounds.most), warmup=0).items():
-                times[name] += values
-            n = len(times[PLAIN])
-            lo, hi = median_ci(_ratios(times, AA, cpu=True))
-            took = time.monotonic() - started
-            enough = hi - lo <= 1 - target or took > rounds.budget_s
-            if n >= rounds.most or (n >= rounds.least and enough):
-                return times, took
+@dataclass(frozen=True)
+class Throughput:
+    """A throughput table, described by value so that a fresh process can build its arms:
+    ``model.generate`` or a text-generation pipeline on a GPT-2 of ``shape`` (layers, width, heads)
+    for ``steps`` new tokens, or the tiny SD pipeline for ``steps`` denoising steps."""
+
+    kind: Literal["generate", "pipeline", "image"]
+    steps: int
+    shape: tuple[int, int, int] = (2, 64, 2)
+
+    @property
+    def label(self) -> str:
+        if self.kind == "image":
+            return "tiny SD 64x64, DDIM"
+        model = f"GPT-2 {self.shape[0]}x{self.shape[1]}"
+        return model + (", text-generation pipeline" if self.kind == "pipeline" else "")
 
 
-def _ratios(times: dict[str, list[tuple[float, float]]], arm: str, *, cpu: bool) -> list[float]:
+def build_arms(table: Throughput, device: Device) -> Arms:
+    """The five arms of ``table``, on models built (or cached) in this process."""
+    if table.kind == "image":
+        sd = image_pipeline(device=device)
+
+        def denoise() -> dict[str, Any]:
+            return {"num_inference_steps": table.steps, "generator": torch.Generator().manual_seed(0)}
+
+        return _arms(sd, sd, ("a red fox",), denoise, lambda: {"callback_on_step_end": _interrupt_callback()},
+                     device)
+    model, tokenizer = text_model(*table.shape, device=device)
+    ids = prompt_ids(tokenizer, 16, device)
+
+    def generate() -> dict[str, Any]:
+        return {"max_new_tokens": table.steps, "min_new_tokens": table.steps, "do_sample": False}
+
+    def native() -> dict[str, Any]:
+        return {"stopping_criteria": StoppingCriteriaList([_Flag()])}
+
+    if table.kind == "pipeline":
+        pipe = pipeline("text-generation", model=model, tokenizer=tokenizer, device=model.device)
+        return _arms(pipe, pipe, (tokenizer.decode(ids[0]),), generate, native, device)
+    return _arms(model.generate, model, (ids,), generate, native, device)
+
+
+def timed_share(table: Throughput, device: Device, rounds: int) -> Times:
+    """One process's share of a table: its arms built here, two warm-up rounds (a new process's
+    first calls fill its caches), then ``rounds`` interleaved rounds with the heap frozen."""
+    with quiet():
+        arms = build_arms(table, device)
+        interleaved(arms, 0, warmup=2)
+        with frozen_heap():
+            return interleaved(arms, rounds, warmup=0)
+
+
+def in_fresh_process(table: Throughput, device: Device, rounds: int) -> Times:
+    """:func:`timed_share` in a new Python process (spawned: it inherits the environment, no memory), so
+    each share runs with a code and data layout of its own."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(timed_share, table, device, rounds).result()
+
+
+def _ratios(times: Times, arm: str, *, cpu: bool) -> list[float]:
     """Per round: the arm's throughput over the plain call's (its time divided into the plain's)."""
     k = 1 if cpu else 0
     return [p[k] / a[k] for p, a in zip(times[PLAIN], times[arm], strict=True)]
+
+
+def _ci(shares: list[Times], arm: str, *, cpu: bool = True) -> tuple[float, float]:
+    return cluster_median_ci([_ratios(times, arm, cpu=cpu) for times in shares])
+
+
+def _measure(table: Throughput, device: Device, target: float, rounds: Rounds) -> tuple[list[Times], float]:
+    """Shares of rounds until the CPU-time ratios' 95% CIs (the A/A arm's and ``run``'s) are
+    narrower than ``1 - target`` (at least ``rounds.least``, at most ``rounds.most`` shares or
+    ``rounds.budget_s`` seconds); each share's times, and the seconds they took."""
+    take = in_fresh_process if rounds.fresh else timed_share
+    shares: list[Times] = []
+    started = time.monotonic()
+    while True:
+        shares.append(take(table, device, rounds.per_process))
+        took = time.monotonic() - started
+        widest = max(hi - lo for lo, hi in (_ci(shares, arm) for arm in (AA, FINISH, ABORT)))
+        enough = widest <= 1 - target or took > rounds.budget_s
+        if len(shares) >= rounds.most or (len(shares) >= rounds.least and enough):
+            return shares, took
 
 
 def _fastest(times: list[tuple[float, float]]) -> float:
@@ -202,48 +273,64 @@ def _fastest(times: list[tuple[float, float]]) -> float:
 
 @dataclass
 class Resolution:
-    """How well a table resolved its target: its rounds, the seconds they took, and the width of
-    the A/A ratio's 95% CI."""
+    """How well a table resolved its target: its rounds, the processes they ran in, the seconds they
+    took, and the widths of the CPU-time ratios' 95% CIs (the A/A arm's, and the wider of ``run``'s)."""
 
     target: float
     rounds: int
+    processes: int
     seconds: float
     aa_width: float
+    run_width: float
+
+    @property
+    def width(self) -> float:
+        return max(self.aa_width, self.run_width)
 
     @property
     def resolved(self) -> bool:
-        return self.aa_width <= 1 - self.target
+        return self.width <= 1 - self.target
 
     @property
     def needed(self) -> float:
-        """How many times these rounds the margin needs at this noise (a CI narrows as 1/sqrt(rounds))."""
-        return (self.aa_width / (1 - self.target)) ** 2
+        """How many times these processes the margin needs at this noise (a CI narrows as 1/sqrt(n))."""
+        return (self.width / (1 - self.target)) ** 2
 
 
-def compare(
-    table: Table, label: str, steps: int, arms: Arms, target: float, rounds: Rounds
-) -> tuple[dict[str, Any], Resolution]:
-    """Time the arms, add one row per arm; the numbers per arm, and the table's resolution."""
-    times, took = _measure(arms, target, rounds)
+def compare(table: Table, spec: Throughput, device: Device, target: float, rounds: Rounds
+            ) -> tuple[dict[str, Any], Resolution]:
+    """Time ``spec``'s arms, add one row per arm; the numbers per arm, and the table's resolution."""
+    shares, took = _measure(spec, device, target, rounds)
+    pooled: Times = {name: [v for times in shares for v in times[name]] for name in shares[0]}
     out: dict[str, Any] = {}
-    for name, values in times.items():
-        wall, cpu = _ratios(times, name, cpu=False), _ratios(times, name, cpu=True)
+    for name, values in pooled.items():
+        wall, cpu = _ratios(pooled, name, cpu=False), _ratios(pooled, name, cpu=True)
+        per_process = [median(_ratios(times, name, cpu=True)) for times in shares]
         found = {
-            "ratio": median(wall), "ci": median_ci(wall), "cpu_ratio": median(cpu), "cpu_ci": median_ci(cpu),
+            "ratio": median(wall), "ci": _ci(shares, name, cpu=False),
+            "cpu_ratio": median(cpu), "cpu_ci": _ci(shares, name),
+            "per_process": (min(per_process), max(per_process)),
             "seconds": median([v[0] for v in values]),
             # noise from other processes only adds time: the fastest calls of each arm are the least disturbed
-            "fast_cpu_ratio": _fastest(times[PLAIN]) / _fastest(values),
+            "fast_cpu_ratio": _fastest(pooled[PLAIN]) / _fastest(values),
         }
         out[name] = found
         table.add(
-            label, name, f"{steps / found['seconds']:.1f}",
+            spec.label, name, f"{spec.steps / found['seconds']:.1f}",
             f"{found['ratio']:.4f} [{found['ci'][0]:.4f}, {found['ci'][1]:.4f}]",
             f"{found['cpu_ratio']:.4f} [{found['cpu_ci'][0]:.4f}, {found['cpu_ci'][1]:.4f}]",
             f"{quantile(cpu, 0.25):.3f} to {quantile(cpu, 0.75):.3f}",
+            f"{found['per_process'][0]:.4f} to {found['per_process'][1]:.4f}",
             f"{found['fast_cpu_ratio']:.4f}",
         )
-    lo, hi = out[AA]["cpu_ci"]
-    return out, Resolution(target, len(times[PLAIN]), took, hi - lo)
+
+    def width(arm: str) -> float:
+        lo, hi = out[arm]["cpu_ci"]
+        return float(hi - lo)
+
+    resolution = Resolution(target, len(pooled[PLAIN]), len(shares), took, width(AA),
+                            max(width(FINISH), width(ABORT)))
+    return out, resolution
 
 
 # -- the direct per-call timings ------------------------------------------------------------------------
@@ -468,7 +555,7 @@ def run(quick: bool = False, device: Device = CPU) -> Section:
     config = QUICK if quick else FULL
     columns = ["model", "call", "{unit}/s (median)", "throughput ratio to plain, wall [95% CI]",
                "CPU-time ratio [95% CI]", "middle half of the rounds (CPU)",
-               "CPU-time ratio of the fastest tenth"]
+               "per-process medians (CPU), lowest to highest", "CPU-time ratio of the fastest tenth"]
     text = Table("Text generation: tokens/s, greedy, batch 1", [c.format(unit="tokens") for c in columns])
     image = Table("Denoising: steps/s of the whole call", [c.format(unit="steps") for c in columns])
     checks = Table("Cost of one call, timed directly", ["what", "µs per call", "timed as", "paid"])
@@ -490,7 +577,7 @@ def run(quick: bool = False, device: Device = CPU) -> Section:
     first = config.text[0]  # the smallest model: nothing in a run's fixed cost depends on the model's size
     model, tokenizer = text_model(*first.shape, device=device)
     ids = prompt_ids(tokenizer, 16, device)
-    two = {"max_new_tokens": 2, "min_new_tokens": 2, "do_sample": False}
+    two: dict[str, Any] = {"max_new_tokens": 2, "min_new_tokens": 2, "do_sample": False}
     name = f"GPT-2 {first.shape[0]}x{first.shape[1]}, 2 new tokens"
     fixed = data["fixed"]["generate"] = fixed_costs(
         checks, f"`model.generate` ({name})", model.generate, (ids,), lambda: two, config.fixed_calls, model
@@ -503,24 +590,15 @@ def run(quick: bool = False, device: Device = CPU) -> Section:
     for case in config.text:
         model, tokenizer = text_model(*case.shape, device=device)
         ids = prompt_ids(tokenizer, 16, device)
-        label = f"GPT-2 {case.shape[0]}x{case.shape[1]}"
-
-        def gen_kwargs(n: int = case.new_tokens) -> dict[str, Any]:
-            return {"max_new_tokens": n, "min_new_tokens": n, "do_sample": False}
-
-        def native() -> dict[str, Any]:
-            return {"stopping_criteria": StoppingCriteriaList([_Flag()])}
-
-        def model_arms(n: int, model: Any = model, ids: Any = ids) -> Arms:
-            return _arms(model.generate, model, (ids,), lambda: gen_kwargs(n), native, device)
-
+        spec = Throughput("generate", case.new_tokens, case.shape)
+        label = spec.label
         data["text"][label], data["resolution"][label] = compare(
-            text, label, case.new_tokens, model_arms(case.new_tokens), case.target, config.rounds
+            text, spec, device, case.target, config.rounds
         )
         call_s = data["text"][label][PLAIN]["seconds"]
         per_token = call_s / case.new_tokens
         waits = criterion_waits(
-            lambda model=model, ids=ids: stopcock.run(model, ids, stop=stopcock.StopSignal(), **gen_kwargs(2))
+            lambda model=model, ids=ids: stopcock.run(model, ids, stop=stopcock.StopSignal(), **two)
         )
         data.setdefault("waits", {})[label] = waits
         token_cost = 0.0 if waits else costs["in_list"]
@@ -534,36 +612,30 @@ def run(quick: bool = False, device: Device = CPU) -> Section:
             f"{in_all['finish']:.3%} / {in_all['abort']:.3%}",
         )
         if device.cuda:
-            data["syncs"][label] = sync_rows(syncs, label, 8, model_arms)
+            data["syncs"][label] = sync_rows(
+                syncs, label, 8, lambda n, spec=spec: build_arms(replace(spec, steps=n), device)
+            )
         if case.pipeline:
-            pipe = pipeline("text-generation", model=model, tokenizer=tokenizer, device=model.device)
-            plabel = label + ", text-generation pipeline"
-            found = _arms(pipe, pipe, (tokenizer.decode(ids[0]),), gen_kwargs, native, device)
-            data["text"][plabel], data["resolution"][plabel] = compare(
-                text, plabel, case.new_tokens, found, case.target, config.rounds
+            piped = Throughput("pipeline", case.new_tokens, case.shape)
+            data["text"][piped.label], data["resolution"][piped.label] = compare(
+                text, piped, device, case.target, config.rounds
             )
 
-    sd = image_pipeline(device=device)
-
-    def image_arms(steps: int) -> Arms:
-        def kwargs() -> dict[str, Any]:
-            return {"num_inference_steps": steps, "generator": torch.Generator().manual_seed(0)}
-
-        return _arms(sd, sd, ("a red fox",), kwargs, lambda: {"callback_on_step_end": _interrupt_callback()},
-                     device)
-
-    label = "tiny SD 64x64, DDIM"
+    spec = Throughput("image", config.image_steps)
+    label = spec.label
     data["image"][label], data["resolution"][label] = compare(
-        image, label, config.image_steps, image_arms(config.image_steps), config.image_target,
-        config.image_rounds,
+        image, spec, device, config.image_target, config.image_rounds
     )
+    sd = image_pipeline(device=device)
     data["fixed"]["image"] = fixed_costs(
         checks, f"{label} pipeline (2 steps)", sd, ("a red fox",),
         lambda: {"num_inference_steps": 2, "generator": torch.Generator().manual_seed(0)},
         max(2, config.fixed_calls // 5),
     )
     if device.cuda:
-        data["syncs"][label] = sync_rows(syncs, label, 4, image_arms)
+        data["syncs"][label] = sync_rows(
+            syncs, label, 4, lambda n: build_arms(replace(spec, steps=n), device)
+        )
     return Section(
         title="1. Overhead of a stop that is never requested",
         intro=(
@@ -579,11 +651,18 @@ def run(quick: bool = False, device: Device = CPU) -> Section:
             " (with one torch thread it does all the work; it leaves out the time other processes held"
             " the core); the 95% confidence interval of the median is in brackets; the last column"
             " divides the arms' 10th-percentile CPU times (the calls other processes disturbed least)."
-            " Rounds are added"
-            " until the A/A arm's CI is narrower than the target's margin (0.5%, or 0.1% for the"
-            f" 12-layer model), between {config.rounds.least} and {config.rounds.most} rounds and at"
-            f" most {config.rounds.budget_s:g} s a text table ({config.image_rounds.budget_s:g} s the image"
-            " table); read a ratio against its table's A/A row."
+            f" The rounds are taken in shares of {config.rounds.per_process}"
+            f" ({config.image_rounds.per_process} for the image table), "
+            + ("each in a fresh Python process" if config.rounds.fresh else "all in this process (quick run)")
+            + ": a process's code and data layout can shift a ratio by more than the noise between calls,"
+            " which the A/A arm (the same code as the plain call) cannot see. So the intervals come from a"
+            " bootstrap that resamples the processes, then the rounds within each, and a column gives the"
+            " lowest and highest median of the processes. Shares are added until the A/A arm's interval"
+            " and both of `run`'s are narrower than the target's margin (0.5%, or 0.1% for the 12-layer"
+            f" model), between {config.rounds.least} and {config.rounds.most} processes and at most"
+            f" {config.rounds.budget_s:g} s a text table ({config.image_rounds.least} to"
+            f" {config.image_rounds.most}, {config.image_rounds.budget_s:g} s, the image table); read a"
+            " ratio against its table's A/A row."
         ),
         tables=[text, image, checks, implied, *([syncs] if device.cuda else [])],
         notes=[
@@ -630,18 +709,23 @@ def _verdicts(data: dict[str, Any]) -> list[str]:
         for label, arms in data[kind].items():
             r: Resolution = data["resolution"][label]
             modes = "; ".join(
-                f"{a.split('=')[-1]} {arms[a]['ratio']:.4f} wall, {arms[a]['cpu_ratio']:.4f} CPU:"
+                f"{a.split('=')[-1]} {arms[a]['ratio']:.4f} wall, {arms[a]['cpu_ratio']:.4f} CPU"
+                f" [{arms[a]['cpu_ci'][0]:.4f}, {arms[a]['cpu_ci'][1]:.4f}]:"
                 f" {'met' if min(arms[a]['ratio'], arms[a]['cpu_ratio']) >= r.target else 'below it'}"
                 for a in (FINISH, ABORT)
             )
+            widths = f"the A/A CI is {r.aa_width:.2%} wide, the wider of `run`'s {r.run_width:.2%}"
             resolution = (
-                f"the A/A CI is {r.aa_width:.2%} wide, within the {1 - r.target:.1%} margin"
+                f"{widths}, within the {1 - r.target:.1%} margin"
                 if r.resolved
-                else f"the A/A CI is {r.aa_width:.2%} wide, wider than the {1 - r.target:.1%} margin:"
-                f" the table cannot resolve the target on this machine at this load (at this noise it would"
-                f" take about {r.needed * r.rounds:,.0f} rounds, {r.needed * r.seconds / 3600:.1f} h)"
+                else f"{widths}, wider than the {1 - r.target:.1%} margin: the table cannot resolve the"
+                f" target on this machine at this load (at this noise it would take about"
+                f" {r.needed * r.processes:,.0f} processes, {r.needed * r.seconds / 3600:.1f} h)"
             )
-            lines.append(f"{label}, target {r.target:g}: {modes}; {r.rounds} rounds, {resolution}.")
+            lines.append(
+                f"{label}, target {r.target:g}: {modes}; {r.rounds} rounds in {r.processes} processes,"
+                f" {resolution}."
+            )
     return lines
 
 
@@ -657,7 +741,8 @@ def _headline(data: dict[str, Any]) -> list[str]:
             )
             lines.append(
                 f"Overhead, {label}: {unit} of `run` / plain call = {ratios}; A/A {arms[AA]['cpu_ratio']:.4f}"
-                f" (95% CI {r.aa_width:.2%} wide), native stop {arms[NATIVE]['cpu_ratio']:.4f};"
+                f" (95% CI {r.aa_width:.2%} wide; `run`'s up to {r.run_width:.2%}), native stop"
+                f" {arms[NATIVE]['cpu_ratio']:.4f};"
                 f" target {r.target:g}."
             )
     c = data["costs"]

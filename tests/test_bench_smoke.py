@@ -9,6 +9,7 @@ forward starts after a stop, and the partial result is what was asked for.
 from __future__ import annotations
 
 import math
+import random
 from collections import Counter
 from itertools import pairwise
 from pathlib import Path
@@ -25,8 +26,9 @@ from bench.__main__ import (
     run_benchmarks,
     update_readme,
 )
-from bench.common import balanced_orders, interleaved, machine_info, quiet
+from bench.common import CPU, balanced_orders, cluster_median_ci, interleaved, machine_info, median_ci, quiet
 from bench.latency import ARMS
+from bench.overhead import PLAIN, Throughput, in_fresh_process
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5])
@@ -45,6 +47,23 @@ def test_interleaved_calls_each_arm_once_a_round_in_the_balanced_orders():
     results = interleaved(arms, 6, warmup=0)
     assert results == {name: [name] * 6 for name in "abc"}
     assert calls == ["abc"[i] for order in balanced_orders(3) for i in order]
+
+
+def test_the_cluster_bootstrap_widens_the_interval_by_what_differs_between_processes():
+    rng = random.Random(0)
+    groups = [[1 + shift + rng.gauss(0, 0.001) for _ in range(50)] for shift in (0, 0.01, 0.02, 0.03)]
+    pooled = [v for g in groups for v in g]
+    lo, hi = cluster_median_ci(groups)
+    plo, phi = median_ci(pooled)
+    assert lo <= plo <= phi <= hi and hi - lo > 2 * (phi - plo)  # the pooled CI ignores the shifts
+    assert cluster_median_ci(groups) == (lo, hi)  # seeded
+    assert cluster_median_ci(groups[:1]) == median_ci(groups[0])
+
+
+def test_a_share_of_rounds_runs_in_a_fresh_process():
+    times = in_fresh_process(Throughput("generate", 2), CPU, rounds=1)
+    assert times.keys() >= {PLAIN, "`run`, mode=finish", "`run`, mode=abort"} and len(times) == 5
+    assert all(len(calls) == 1 and wall > 0 and cpu > 0 for calls in times.values() for wall, cpu in calls)
 
 
 @pytest.fixture(scope="module")
