@@ -68,7 +68,7 @@ PLAIN, AA, NATIVE, FINISH, ABORT = (
 class Rounds:
     """How a throughput table takes its rounds: in shares of ``per_process`` rounds, each in a fresh
     process (``fresh``; in this one for the smoke test), at least ``least`` and at most ``most``
-    shares, and past ``least`` until the intervals resolve the margin or ``budget_s`` have passed."""
+    shares, and past ``least`` until the intervals resolve the margin or ``budget_s`` seconds have passed."""
 
     per_process: int
     least: int
