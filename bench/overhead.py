@@ -109,6 +109,7 @@ FULL = Config(
     text=(TextCase((2, 64, 2), 64, 0.995, pipeline=True), TextCase((12, 384, 6), 16, 0.999)),
     image_steps=20,
     image_target=0.995,
+    # shares of whole balanced designs (10 orders for five arms), so each share is balanced on its own
     rounds=Rounds(per_process=60, least=6, most=40, budget_s=360),
     image_rounds=Rounds(per_process=30, least=6, most=60, budget_s=900),
     check_calls=20000,
