@@ -424,21 +424,23 @@ _remembered_lock = threading.Lock()
 
 def remembered(obj: Any, key: Any, compute: Callable[[], str]) -> str:
     """``compute()`` for ``obj``, done again only when ``key`` (what it depends on) has changed.
-    Kept while ``obj`` lives (objects that cannot be referenced weakly are not remembered)."""
+    Kept while ``obj`` lives (objects that cannot be referenced weakly are not remembered). Entries
+    of objects gone are dropped here, at the next new entry: a weakref callback would run code of
+    stopcock's wherever the garbage collector frees the object, in the middle of the user's program."""
     with _remembered_lock:
         found = _remembered.get(id(obj))
     if found is not None and found[0]() is obj and found[1] == key:
         return found[2]
     value = compute()
-    ident = id(obj)
-
-    def forget(_: weakref.ref[Any]) -> None:
-        _remembered.pop(ident, None)
-
     try:
-        ref = weakref.ref(obj, forget)
+        ref = weakref.ref(obj)
     except TypeError:
         return value
+    with _remembered_lock:
+        for gone in [ident for ident, (r, _, _) in _remembered.items() if r() is None]:
+            del _remembered[gone]
+        _remembered[id(obj)] = (ref, key, value)
+    return value
     with _remembered_lock:
         _remembered[id(obj)] = (ref, key, value)
     return value
