@@ -3,7 +3,6 @@ a stream channel's wakers and the server's change notifications."""
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable
 
@@ -29,8 +28,11 @@ class Callbacks:
         return registration
 
     def _discard(self, registration: Registration) -> None:
-        with self._lock, contextlib.suppress(ValueError):  # one call: a same-thread drain cannot split it
-            self._registrations.remove(registration)
+        with self._lock:
+            try:  # one call: a same-thread drain cannot split it
+                self._registrations.remove(registration)
+            except ValueError:  # drained already
+                pass
 
     def drain(self) -> list[Callable[[], object]]:
         """Claim every callback, leaving none (the caller holds the lock): each is returned to run once."""
@@ -61,7 +63,9 @@ class Registration:
         self._owner = owner
 
     def __call__(self) -> None:
-        self.cancel()
+        """Remove the callback (:meth:`cancel`'s lines, inline: every run calls a few removers)."""
+        self._slot.pop("fn", None)
+        self._owner._discard(self)
 
     def cancel(self) -> bool:
         """Remove the callback; True if it had not been claimed yet (it will then never run)."""

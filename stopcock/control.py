@@ -27,8 +27,8 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -51,6 +51,8 @@ from .types import MODES, Mode, choice
 
 if TYPE_CHECKING:
     from torch import nn
+
+    from .hooks import Tripwire
 
 __all__ = ["ARM_AHEAD", "Abort", "Flag", "RunControl", "MODES", "Watch", "Wire"]
 
@@ -212,6 +214,9 @@ class RunControl:
 
     def _start(self) -> None:
         self.started = time.monotonic()
+        if not (self.watch.timeouts or self.watch.deadlines):  # no time condition: the usual case
+            self._time_limit = self._wall_limit = self._due = None
+            return
         timeouts = [self.started + s for s in self.watch.timeouts]
         deadlines = [self.started + (when - time.time()) for when in self.watch.deadlines]
         self._time_limit = min(timeouts, default=None)
@@ -241,9 +246,15 @@ class RunControl:
 
     def _forward(self, signal: StopSignal) -> Callable[[], None]:
         def forward() -> None:
-            self.token.stop(signal.reason or "user")
+            self._stop(signal.reason or "user")
 
         return forward
+
+    def _stop(self, reason: str) -> None:
+        """Stop the token (the first reason wins), and re-evaluate what is due: every stop of the
+        token goes through here, so it needs no callback of its own."""
+        self.token.stop(reason)
+        self._stirred()
 
     # -- checks ----------------------------------------------------------------------------------
     @property
@@ -285,7 +296,7 @@ class RunControl:
         if not self.token.stopped and self.condition is not None:
             reason = self.condition.check(state)
             if reason is not None:
-                self.token.stop(reason)
+                self._stop(reason)
         if self.token.stopped:
             self.seen = True
         return self.seen
@@ -330,7 +341,7 @@ class RunControl:
         if self._in_items:
             self.skipping = True
         else:
-            self.token.stop("skipped")
+            self._stop("skipped")
             self.seen = True
         return True
 
@@ -344,7 +355,7 @@ class RunControl:
         if not self.token.stopped:
             reason = next((s.after_item for s in self._followed if s.after_item is not None), None)
             if reason is not None:
-                self.token.stop(reason)
+                self._stop(reason)
         if self.check():
             return False
         self._skip_base, self.skipping = self._skips(), False
@@ -406,39 +417,37 @@ class RunControl:
         abort = self.mode == "abort" if abort is None else abort
         if not abort and self.escalate_after is None:
             return nullcontext()
-        return self._intercepting(abort)
-
-    @contextmanager
-    def _intercepting(self, abort: bool) -> Iterator[None]:
         from .hooks import Tripwire  # here: importing stopcock must not import torch
 
-        with Tripwire(None, (lambda _m: self.poll()) if abort else self._poll_escalation) as wire:
-            with self.arming(wire, "abort" if abort else "escalate"):
-                yield
+        wire = Tripwire(None, (lambda _m: self.poll()) if abort else self._poll_escalation)
+        return _Arming(self, wire, "abort" if abort else "escalate", closes=wire)
 
-    @contextmanager
-    def arming(self, wire: Wire, kind: WireKind = "step") -> Iterator[None]:
+    def arming(self, wire: Wire, kind: WireKind = "step") -> AbstractContextManager[None]:
         """During the ``with`` block, ``wire.arm()`` is called (by the thread that stops, skips, or a
         timer thread; at once if it is due already) the moment ``kind`` needs it: see
         :data:`WireKind` and the module docstring."""
+        return _Arming(self, wire, kind)
+
+    def _add_wire(self, wire: Wire, kind: WireKind) -> None:
+        """:meth:`arming`'s start: ``wire`` joins the run's wires (taken out again by
+        :meth:`_drop_wire`, even when this raises), armed at once if it is due."""
         with self._lock:
             first = not self._wires
             skips = kind == "step" and all(k != "step" for _, k in self._wires)
             self._wires.append((wire, kind))
-        try:
-            if first:  # every stop of a signal of the run re-evaluates what is due (those forwarded
-                # to the token reach it there)
-                self._unlink += [s.on_stop(self._stirred) for s in self._signals if s not in self._forwarded]
-            if skips:  # and so does a skip, for the step checks
-                self._unlink += [s.on_skip(self._stirred) for s in self._followed]
-            # a thread to wait for what is due later (made here, not in a stop() callback)
-            if self._alarm is None and (kind == "escalate" or self._due is not None):
-                self._alarm = _Alarm(self._arm_due)
-            self._stirred()
-            yield
-        finally:
-            with self._lock:
-                self._wires.remove((wire, kind))
+        if first:  # every stop of a signal of the run re-evaluates what is due (the token's, in
+            # _stop; those forwarded to the token reach it there)
+            self._unlink += [s.on_stop(self._stirred) for s in self.watch.signals if s not in self._forwarded]
+        if skips:  # and so does a skip, for the step checks
+            self._unlink += [s.on_skip(self._stirred) for s in self._followed]
+        # a thread to wait for what is due later (made here, not in a stop() callback)
+        if self._alarm is None and (kind == "escalate" or self._due is not None):
+            self._alarm = _Alarm(self._arm_due)
+        self._stirred()
+
+    def _drop_wire(self, wire: Wire, kind: WireKind) -> None:
+        with self._lock:
+            self._wires.remove((wire, kind))
 
     def _arm_at(self, kind: WireKind) -> float | None:
         """When the wires of ``kind`` are due (monotonic), or None: not yet known."""
@@ -520,6 +529,35 @@ class RunControl:
             output=output,
             **fields,
         )
+
+
+class _Arming:
+    """The ``with`` block of :meth:`RunControl.arming` (and of :meth:`RunControl.intercept`, whose
+    tripwire it ``closes`` at the end): a class rather than a generator, as it is entered on every
+    run, where each Python call counts."""
+
+    __slots__ = ("_closes", "_control", "_kind", "_wire")
+
+    def __init__(
+        self, control: RunControl, wire: Wire, kind: WireKind, *, closes: Tripwire | None = None
+    ) -> None:
+        self._control, self._wire, self._kind, self._closes = control, wire, kind, closes
+
+    def __enter__(self) -> None:
+        entered = False
+        try:
+            self._control._add_wire(self._wire, self._kind)
+            entered = True
+        finally:
+            if not entered:
+                self.__exit__()
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self._control._drop_wire(self._wire, self._kind)
+        finally:
+            if self._closes is not None:
+                self._closes.close()
 
 
 class _Alarm:

@@ -252,22 +252,35 @@ class _PerThread:
 _BINDING = threading.Lock()
 
 
-@contextmanager
-def bound(obj: Any, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
+def bound(obj: Any, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> _Binding:
     """For the ``with`` block, calls of ``obj.<name>(...)`` made on this thread go to
     ``wrap(original)``; calls from other threads are not touched, and concurrent bindings on other
     threads each get their own. The attribute is as it was once the last binding ends."""
-    owner = threading.get_ident()
-    with _BINDING:
-        patch = obj.__dict__.get(name)
-        if not isinstance(patch, _PerThread):
-            patch = _PerThread(obj, name)
-            object.__setattr__(obj, name, patch)
-        previous = patch.by_thread.get(owner)
-        patch.by_thread[owner] = wrap(previous or patch.original())
-    try:
-        yield
-    finally:
+    return _Binding(obj, name, wrap)
+
+
+class _Binding:
+    """:func:`bound`'s ``with`` block (a class rather than a generator: runs enter one every call)."""
+
+    __slots__ = ("_name", "_obj", "_owner", "_patch", "_previous", "_wrap")
+
+    def __init__(self, obj: Any, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        self._obj, self._name, self._wrap = obj, name, wrap
+
+    def __enter__(self) -> None:
+        obj, name = self._obj, self._name
+        self._owner = owner = threading.get_ident()
+        with _BINDING:
+            patch = obj.__dict__.get(name)
+            if not isinstance(patch, _PerThread):
+                patch = _PerThread(obj, name)
+                object.__setattr__(obj, name, patch)
+            self._patch = patch
+            self._previous = previous = patch.by_thread.get(owner)
+            patch.by_thread[owner] = self._wrap(previous or patch.original())
+
+    def __exit__(self, *exc: object) -> None:
+        obj, name, patch, owner, previous = self._obj, self._name, self._patch, self._owner, self._previous
         with _BINDING:
             if previous is not None:
                 patch.by_thread[owner] = previous

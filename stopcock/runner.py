@@ -57,9 +57,11 @@ class Bound:
     checkpoint: bool = False
 
     def __call__(self) -> Outcome:
-        with running(self.control, self.target):
+        control = self.control
+        # running()'s two context managers, entered here directly: every call of run() enters them
+        with control, holding(control.condition, control.token, self.target):
             run = resumable(self.adapter).record if self.checkpoint else self.adapter.run
-            return run(self.target, self.args, self.kwargs, self.control, **self.options)
+            return run(self.target, self.args, self.kwargs, control, **self.options)
 
 
 def bind(

@@ -22,14 +22,14 @@ class StopSignal:
     """
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.RLock())
+        self._lock = threading.RLock()
         # {"reason": (reason,)} once stopped. dict.setdefault claims and sets the reason in one atomic
         # step, so even a signal handler that interrupts stop() on the same thread cannot overwrite it.
         self._claim: dict[str, tuple[str]] = {}
         self._stopped_at: float | None = None
-        self._callbacks = Callbacks(self._cond)
-        self._skip_callbacks = Callbacks(self._cond)
-        self._children: weakref.WeakSet[StopSignal] = weakref.WeakSet()
+        self._callbacks = Callbacks(self._lock)
+        self._skip_callbacks = Callbacks(self._lock)
+        self._children: weakref.WeakSet[StopSignal] | None = None  # made by the first child()
         self._parent: StopSignal | None = None  # a child keeps its parent (and so the chain) alive
         self._skips = 0  # skip() calls: a run compares it with the count when its current item began
         self._after_item: tuple[str] | None = None  # the reason given to stop_after_item()
@@ -62,13 +62,12 @@ class StopSignal:
         if not isinstance(reason, str) or not reason:
             raise TypeError(f"reason must be a non-empty str, got {reason!r}")
         mine = (reason,)
-        with self._cond:
+        with self._lock:
             if self._claim.setdefault("reason", mine) is not mine:
                 return False
             self._stopped_at = time.monotonic()
             callbacks = self._callbacks.drain()
-            children = list(self._children)
-            self._cond.notify_all()
+            children = self._kids()
         for child in children:
             child.stop(reason)
         _run_all(callbacks)
@@ -76,9 +75,18 @@ class StopSignal:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until stopped or ``timeout`` seconds pass; returns :attr:`stopped`."""
-        with self._cond:
-            self._cond.wait_for(lambda: self.stopped, timeout)
+        if not self.stopped:
+            stopped = threading.Event()
+            remove = self.on_stop(stopped.set)  # set at once if the stop came in between
+            try:
+                stopped.wait(timeout)
+            finally:
+                remove()
         return self.stopped
+
+    def _kids(self) -> list[StopSignal]:
+        """The live children (the caller holds the lock)."""
+        return [] if self._children is None else list(self._children)
 
     async def wait_async(self) -> str:
         """Wait without blocking the event loop; returns the reason."""
@@ -115,7 +123,9 @@ class StopSignal:
         """
         kid = StopSignal()
         kid._parent = self
-        with self._cond:
+        with self._lock:
+            if self._children is None:
+                self._children = weakref.WeakSet()
             self._children.add(kid)
             kid._after_item = self._after_item  # after the add: a stop_after_item in between reaches it
         if self.stopped:
@@ -141,9 +151,9 @@ class StopSignal:
         by the items that start later. Children are skipped too. Safe from any thread and from a
         signal handler.
         """
-        with self._cond:
+        with self._lock:
             self._skips += 1
-            children = list(self._children)
+            children = self._kids()
         for child in children:
             child.skip()
         _run_all(self._skip_callbacks.snapshot())
@@ -161,11 +171,11 @@ class StopSignal:
         """
         if not isinstance(reason, str) or not reason:
             raise TypeError(f"reason must be a non-empty str, got {reason!r}")
-        with self._cond:
+        with self._lock:
             if self._after_item is not None:
                 return False
             self._after_item = (reason,)
-            children = list(self._children)
+            children = self._kids()
         for child in children:
             child.stop_after_item(reason)
         return True

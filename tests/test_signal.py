@@ -166,7 +166,7 @@ def test_stop_from_a_signal_handler_while_the_lock_is_held():
     s = StopSignal()
     old = signal.signal(signal.SIGUSR1, lambda *_: s.stop("signal"))
     try:
-        with s._cond:  # the main thread holds the lock, as it would inside wait()/on_stop()
+        with s._lock:  # the main thread holds the lock, as it would inside on_stop()
             os.kill(os.getpid(), signal.SIGUSR1)
             for _ in range(1000):  # the handler runs between bytecodes of this thread
                 if s.stopped:

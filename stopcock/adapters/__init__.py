@@ -6,17 +6,21 @@ interface and how to add one.
 
 from __future__ import annotations
 
+from functools import cache
+
 from .base import Adapter, Registered, UnsupportedTarget, resolve
 
 __all__ = ["REGISTRY", "Adapter", "Registered", "UnsupportedTarget", "resolve"]
 
 
+@cache  # loaded once: detection runs on every run() call
 def _transformers() -> Adapter:
     from .transformers_resume import ADAPTER  # the transformers adapter, resumable
 
     return ADAPTER
 
 
+@cache
 def _diffusers() -> Adapter:
     from .diffusers_replay import ADAPTER  # the diffusers adapter, resumable by replay
 

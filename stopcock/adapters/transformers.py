@@ -282,7 +282,8 @@ class _RunCriteria(StoppingCriteria):
         Python: a handful of tensor operations per row would cost more than the whole read.
         """
         out = []
-        for i, new in enumerate(sequences[:, self.prompt_len :].tolist()):
+        for i, row in enumerate(sequences.tolist()):
+            new = row[self.prompt_len :]
             kept = len(new)
             while kept and new[kept - 1] in self.fill:
                 kept -= 1
@@ -417,30 +418,39 @@ def _plain_generate(model: Any) -> bool:
     return _BUILDS_LIST and type(model).generate is GenerationMixin.generate and "generate" not in vars(model)
 
 
-@contextmanager
-def _taking_part(
-    criteria: _RunCriteria, model: Any, kwargs: dict[str, Any], *, plain: bool
-) -> Iterator[None]:
+class _TakingPart:
     """For one generate call of ``model`` with ``kwargs`` (changed in place): the criterion in the
     call's criteria list, at once or once armed (see the module docstring); ``plain``: the model's
-    generate is transformers' own (:func:`_plain_generate`, read before any binding of ours)."""
-    if not plain or kwargs.get("custom_generate") is not None:
-        criteria.may_wait = False
-        kwargs["stopping_criteria"] = _with_ours(kwargs.get("stopping_criteria"), criteria)
-        yield
-        return
-    _users(kwargs.get("stopping_criteria"))  # a wrong type fails here, before generate
-    criteria.may_wait = (
-        criteria.can_wait
-        and criteria.given_prompt_len is not None
-        and type(model)._sample is GenerationMixin._sample
-        and kwargs.get("assistant_model") is None
-    )
-    try:
-        with bound(model, "_get_stopping_criteria", criteria.joining):
-            yield
-    finally:
-        criteria.leave()
+    generate is transformers' own (:func:`_plain_generate`, read before any binding of ours). A
+    class rather than a generator: every run enters one."""
+
+    def __init__(self, criteria: _RunCriteria, model: Any, kwargs: dict[str, Any], *, plain: bool) -> None:
+        self.criteria, self.model, self.kwargs, self.plain = criteria, model, kwargs, plain
+        self.binding: AbstractContextManager[None] | None = None
+
+    def __enter__(self) -> None:
+        criteria, model, kwargs = self.criteria, self.model, self.kwargs
+        if not self.plain or kwargs.get("custom_generate") is not None:
+            criteria.may_wait = False
+            kwargs["stopping_criteria"] = _with_ours(kwargs.get("stopping_criteria"), criteria)
+            return
+        _users(kwargs.get("stopping_criteria"))  # a wrong type fails here, before generate
+        criteria.may_wait = (
+            criteria.can_wait
+            and criteria.given_prompt_len is not None
+            and type(model)._sample is GenerationMixin._sample
+            and kwargs.get("assistant_model") is None
+        )
+        binding = bound(model, "_get_stopping_criteria", criteria.joining)
+        binding.__enter__()
+        self.binding = binding
+
+    def __exit__(self, *exc: object) -> None:
+        if self.binding is not None:
+            try:
+                self.binding.__exit__(None, None, None)  # the binding ends the same way whatever happened
+            finally:
+                self.criteria.leave()
 
 
 def _end_streamer(streamer: Any, criteria: _RunCriteria, aborted: bool) -> None:
@@ -501,11 +511,9 @@ def _run_generate(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], con
     if control.check():
         output, aborted = start, False
     else:
-        with ExitStack() as stack:
-            stack.enter_context(_taking_part(criteria, model, kwargs, plain=_plain_generate(model)))
-            if criteria.may_wait:
-                stack.enter_context(control.arming(criteria))
-            output, aborted = _guarded(control, lambda: model.generate(*args, **kwargs), criteria, model)
+        with _TakingPart(criteria, model, kwargs, plain=_plain_generate(model)):
+            with control.arming(criteria) if criteria.may_wait else nullcontext():
+                output, aborted = _guarded(control, lambda: model.generate(*args, **kwargs), criteria, model)
         if aborted:
             output = criteria.so_far(start, int(settings.get("num_return_sequences") or 1))
         else:
@@ -612,7 +620,7 @@ class _PipelineRun:
                 if head is not None:
                     stack.enter_context(self._own_loop(head, settings))
                 else:
-                    stack.enter_context(_taking_part(criteria, self.model, kwargs, plain=self.plain))
+                    stack.enter_context(_TakingPart(criteria, self.model, kwargs, plain=self.plain))
                     stack.enter_context(self._delay_pattern())
                 result = generate(*args, **kwargs)
             criteria.returned(result)
