@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 # (PIP_EXTRA_INDEX_URL) or override TORCH; pyproject.toml itself only asks for torch>=2.1.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test soak lint bench coverage browser clean
+.PHONY: setup demo test soak lint bench coverage browser valgrind clean
 
 setup: $(VENV)/.stamp-setup
 
@@ -21,7 +21,7 @@ $(VENV)/.stamp-setup: pyproject.toml
 demo: setup
 	HF_HUB_OFFLINE=1 $(BIN)/stopcock demo
 
-test: setup browser
+test: setup browser valgrind
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
 	$(BIN)/ruff check stopcock tests bench tiny _stopcock_launch.py
 	$(BIN)/mypy
@@ -35,7 +35,7 @@ lint: setup
 	$(BIN)/ruff format --check stopcock tests bench tiny _stopcock_launch.py || true
 	$(BIN)/mypy
 
-bench: setup
+bench: setup valgrind
 	HF_HUB_OFFLINE=1 $(BIN)/python -m bench
 
 # Stop coverage (not part of `make test`): every generating transformers task on a tiny model, and,
@@ -53,6 +53,14 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium >/dev/null; \
 	  else echo "make browser: chromium is missing; as root: apt-get install chromium" >&2; fi
+
+# valgrind (Debian's package, with the header valgrind/callgrind.h) and a C compiler: the overhead
+# benchmark counts each call's instructions under callgrind. Without root it only warns: the bench
+# then says the counts are missing, and their test in make test is skipped.
+valgrind:
+	@command -v valgrind >/dev/null 2>&1 && command -v cc >/dev/null 2>&1 || \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq valgrind gcc >/dev/null; \
+	  else echo "make valgrind: valgrind or cc is missing; as root: apt-get install valgrind gcc" >&2; fi
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -36,6 +36,7 @@ from stopcock.adapters.diffusers_loop import LoopModels
 from stopcock.control import RunControl
 from stopcock.hooks import Tripwire
 
+from . import instructions
 from .common import (
     CPU,
     RANDOM_WEIGHTS,
@@ -48,6 +49,7 @@ from .common import (
     image_pipeline,
     interleaved,
     median,
+    median_ci,
     prompt_ids,
     quantile,
     quiet,
@@ -83,6 +85,7 @@ class TextCase:
     new_tokens: int
     target: float  # the throughput ratio to reach
     pipeline: bool = False  # also a text-generation pipeline arm set (a fixed cost per call shows there)
+    counted: int = 0  # rounds of instruction counts (0: none); a call runs about 200 times slower there
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,7 @@ class Config:
     image_rounds: Rounds  # an image call is four times a text call: more time to resolve the same margin
     check_calls: int
     fixed_calls: int  # rounds of the fixed-cost timing of a text call (an image call: a fifth of them)
+    image_counted: int = 0  # rounds of instruction counts of the image table (0: none)
 
 
 QUICK = Config(
@@ -106,7 +110,8 @@ QUICK = Config(
     fixed_calls=5,
 )
 FULL = Config(
-    text=(TextCase((2, 64, 2), 64, 0.995, pipeline=True), TextCase((12, 384, 6), 16, 0.999)),
+    text=(TextCase((2, 64, 2), 64, 0.995, pipeline=True, counted=10),
+          TextCase((12, 384, 6), 16, 0.999, counted=10)),
     image_steps=20,
     image_target=0.995,
     # shares of whole balanced designs (10 orders for five arms), so each share is balanced on its own
@@ -114,11 +119,12 @@ FULL = Config(
     image_rounds=Rounds(per_process=30, least=6, most=60, budget_s=900),
     check_calls=20000,
     fixed_calls=1000,
+    image_counted=4,
 )
 
 #: Costs timed as what a variant adds to a base call (paired batches, median), not on their own.
 DIFFERENCES = ("in_list", "module_unarmed", "module_armed", "native_step", "step", "torch_hook", "record")
-Arms = dict[str, Callable[[], tuple[float, float]]]  # name -> one timed call: (wall, CPU) seconds
+Arms = dict[str, Callable[[], Any]]  # name -> one measured call (timed: its (wall, CPU) seconds)
 Times = dict[str, list[tuple[float, float]]]  # name -> the (wall, CPU) seconds of its calls
 
 
@@ -164,18 +170,18 @@ def _interrupt_callback() -> Callable[..., dict[str, Any]]:
 
 
 def _arms(plain: Callable[..., Any], target: Any, args: tuple[Any, ...], kwargs: Callable[[], dict[str, Any]],
-          native: Callable[[], dict[str, Any]], device: Device) -> Arms:
-    """The five arms of a table; ``kwargs`` and ``native`` (the native stop's own arguments) are
-    called afresh for every call (e.g. a new seeded generator)."""
+          native: Callable[[], dict[str, Any]], measure: Callable[[Callable[[], object]], Any]) -> Arms:
+    """The five arms of a table, each ``measure``-ing one call; ``kwargs`` and ``native`` (the native
+    stop's own arguments) are called afresh for every call (e.g. a new seeded generator)."""
 
-    def with_stopcock(mode: str) -> tuple[float, float]:
+    def with_stopcock(mode: str) -> Any:
         signal = stopcock.StopSignal()
-        return clocked(lambda: stopcock.run(target, *args, stop=signal, mode=mode, **kwargs()), device)
+        return measure(lambda: stopcock.run(target, *args, stop=signal, mode=mode, **kwargs()))
 
     return {
-        PLAIN: lambda: clocked(lambda: plain(*args, **kwargs()), device),
-        AA: lambda: clocked(lambda: plain(*args, **kwargs()), device),
-        NATIVE: lambda: clocked(lambda: plain(*args, **kwargs(), **native()), device),
+        PLAIN: lambda: measure(lambda: plain(*args, **kwargs())),
+        AA: lambda: measure(lambda: plain(*args, **kwargs())),
+        NATIVE: lambda: measure(lambda: plain(*args, **kwargs(), **native())),
         FINISH: lambda: with_stopcock("finish"),
         ABORT: lambda: with_stopcock("abort"),
     }
@@ -199,8 +205,11 @@ class Throughput:
         return model + (", text-generation pipeline" if self.kind == "pipeline" else "")
 
 
-def build_arms(table: Throughput, device: Device) -> Arms:
-    """The five arms of ``table``, on models built (or cached) in this process."""
+def build_arms(table: Throughput, device: Device,
+               measure: Callable[[Callable[[], object]], Any] | None = None) -> Arms:
+    """The five arms of ``table``, on models built (or cached) in this process; each arm returns
+    ``measure(call)`` (default: its wall-clock and CPU seconds, :func:`clocked`)."""
+    measure = measure or (lambda call: clocked(call, device))
     if table.kind == "image":
         sd = image_pipeline(device=device)
 
@@ -208,7 +217,7 @@ def build_arms(table: Throughput, device: Device) -> Arms:
             return {"num_inference_steps": table.steps, "generator": torch.Generator().manual_seed(0)}
 
         return _arms(sd, sd, ("a red fox",), denoise, lambda: {"callback_on_step_end": _interrupt_callback()},
-                     device)
+                     measure)
     model, tokenizer = text_model(*table.shape, device=device)
     ids = prompt_ids(tokenizer, 16, device)
 
@@ -220,8 +229,8 @@ def build_arms(table: Throughput, device: Device) -> Arms:
 
     if table.kind == "pipeline":
         pipe = pipeline("text-generation", model=model, tokenizer=tokenizer, device=model.device)
-        return _arms(pipe, pipe, (tokenizer.decode(ids[0]),), generate, native, device)
-    return _arms(model.generate, model, (ids,), generate, native, device)
+        return _arms(pipe, pipe, (tokenizer.decode(ids[0]),), generate, native, measure)
+    return _arms(model.generate, model, (ids,), generate, native, measure)
 
 
 def timed_share(table: Throughput, device: Device, rounds: int) -> Times:
@@ -332,6 +341,54 @@ def compare(table: Table, spec: Throughput, device: Device, target: float, round
     resolution = Resolution(target, len(pooled[PLAIN]), len(shares), took, width(AA),
                             max(width(FINISH), width(ABORT)))
     return out, resolution
+
+
+# -- the instruction counts ---------------------------------------------------------------------------------
+def counted_rows(table: Table, spec: Throughput, counts: dict[str, list[int]]) -> dict[str, Any]:
+    """One row per arm of ``spec``'s instruction counts (see :mod:`bench.instructions`): the median
+    count, the plain call's count over the arm's in the same round (median, 95% CI), and what the
+    arm adds to the plain call (median difference in the same round)."""
+    out: dict[str, Any] = {}
+    plain = counts[PLAIN]
+    for name, values in counts.items():
+        ratios = [p / a for p, a in zip(plain, values, strict=True)]
+        found = {
+            "ratio": median(ratios), "ci": median_ci(ratios), "instructions": median(values),
+            "added": median([a - p for p, a in zip(plain, values, strict=True)]),
+        }
+        out[name] = found
+        table.add(
+            spec.label, name, f"{found['instructions'] / 1e6:,.2f}",
+            f"{found['ratio']:.5f} [{found['ci'][0]:.5f}, {found['ci'][1]:.5f}]",
+            f"{quantile(ratios, 0.25):.5f} to {quantile(ratios, 0.75):.5f}",
+            "" if name == PLAIN else f"{found['added'] / 1e3:+,.0f}",
+        )
+    return out
+
+
+def count_instructions(table: Table, config: Config, device: Device) -> dict[str, Any]:
+    """The tables of ``config`` that ask for it, counted (on the CPU, two at once): per table, its
+    rows' numbers, target, rounds and seconds; ``{"missing": why}`` where they cannot be counted."""
+    jobs = [(Throughput(kind, case.new_tokens, case.shape), case.target, case.counted)
+            for case in config.text if case.counted
+            for kind in ("generate", *(("pipeline",) if case.pipeline else ()))]
+    if config.image_counted:
+        jobs.append((Throughput("image", config.image_steps), config.image_target, config.image_counted))
+    if not jobs:
+        return {}
+    if device != CPU:
+        return {"missing": f"instructions are counted on the CPU in float32 only, not on {device.describe()}"}
+    why = instructions.missing()
+    if why:
+        return {"missing": f"instructions not counted: it {why}"}
+    jobs.sort(key=lambda job: (job[0].kind != "image", -job[0].shape[0]))  # the longest first
+    out: dict[str, Any] = {}
+    for (spec, target, rounds), (counted, seconds) in zip(
+        jobs, instructions.count_tables([(spec, rounds) for spec, _, rounds in jobs]), strict=True
+    ):
+        out[spec.label] = {"arms": counted_rows(table, spec, counted.counts), "target": target,
+                           "rounds": rounds, "seconds": seconds, "avx2_share": counted.avx2_share}
+    return out
 
 
 # -- the direct per-call timings ------------------------------------------------------------------------
@@ -637,6 +694,12 @@ def run(quick: bool = False, device: Device = CPU) -> Section:
         data["syncs"][label] = sync_rows(
             syncs, label, 4, lambda n: build_arms(replace(spec, steps=n), device)
         )
+    counted = Table(
+        "Work per call: instructions, counted under valgrind's callgrind",
+        ["model", "call", "instructions (millions, median)", "instruction ratio to plain [95% CI]",
+         "middle half of the rounds", "added to the plain call (thousands, median)"],
+    )
+    data["counted"] = count_instructions(counted, config, device)
     return Section(
         title="1. Overhead of a stop that is never requested",
         intro=(
@@ -665,9 +728,13 @@ def run(quick: bool = False, device: Device = CPU) -> Section:
             f" {config.image_rounds.most}, {config.image_rounds.budget_s:g} s, the image table); read a"
             " ratio against its table's A/A row."
         ),
-        tables=[text, image, checks, implied, *([syncs] if device.cuda else [])],
+        tables=[text, image, *([counted] if counted.rows else []), checks, implied,
+                *([syncs] if device.cuda else [])],
         notes=[
             *(_verdicts(data)),
+            *(_counted_verdicts(data)),
+            *([_COUNTED_NOTE.format(**_counted_config(config))] if data["counted"].get("missing") is None
+              and data["counted"] else []),
             "The tiny models make a step as short as possible, so they show the worst case: a fixed"
             " cost per step is the largest fraction of it there.",
             "Per token before a stop: "
@@ -730,6 +797,71 @@ def _verdicts(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+_COUNTED_NOTE = (
+    "Instructions (the callgrind table): a count of the instructions a call executes does not depend on"
+    " the machine's load, so it resolves what time cannot here. Each table's arms are built as for"
+    " timing, in one process run under `valgrind --tool=callgrind` (Python's hash seed fixed), and called"
+    " after one warm-up round in {rounds} rounds in the same balanced orders; each call is preceded by an"
+    " uncounted garbage collection (so the collections a call triggers are its own) and bracketed by"
+    " callgrind's zero and dump requests. The ratio is the plain call's count over the arm's in the"
+    " same round (median, 95% CI from order statistics); *added* is the median difference. What varies"
+    " between rounds is mostly the allocators' paths (Python's and the C library's), which the A/A row"
+    " measures. A count weighs every instruction alike: it leaves out cache misses, mispredicted"
+    " branches and instruction widths. Under valgrind torch runs its AVX2 kernels (valgrind has no"
+    " AVX-512, which torch takes natively on a CPU that has it), which execute more instructions for"
+    " the same arithmetic: each verdict line gives the share of the plain call's count in AVX2 code (MKL's"
+    " matrix kernels, torch's vector loops, the C library's), the part whose count a CPU with wider"
+    " vectors would shrink. The time tables above measure the same calls in seconds, with their noise."
+)
+
+
+def _counted_config(config: Config) -> dict[str, str]:
+    rounds = sorted({case.counted for case in config.text if case.counted} | {config.image_counted} - {0})
+    return {"rounds": " or ".join(map(str, rounds))}
+
+
+def _counted_verdict(label: str, found: dict[str, Any]) -> tuple[str, str]:
+    """What a table's instruction counts say: ``run``'s ratios with their 95% CIs against the target,
+    and whether the A/A arm's CI and ``run``'s are narrow enough to resolve its margin."""
+    arms, target = found["arms"], found["target"]
+
+    def width(arm: str) -> float:
+        lo, hi = arms[arm]["ci"]
+        return float(hi - lo)
+
+    def verdict(arm: str) -> str:
+        ratio, (lo, _) = arms[arm]["ratio"], arms[arm]["ci"]
+        if lo >= target:
+            return "met (the whole CI)"
+        return "met in the median, its CI reaches below" if ratio >= target else "below it"
+
+    modes = "; ".join(
+        f"{arm.split('=')[-1]} {arms[arm]['ratio']:.5f} [{arms[arm]['ci'][0]:.5f}, {arms[arm]['ci'][1]:.5f}]:"
+        f" {verdict(arm)}" for arm in (FINISH, ABORT)
+    )
+    widest = max(width(AA), width(FINISH), width(ABORT))
+    resolved = "resolved" if widest <= 1 - target else "not resolved"
+    return modes, (
+        f"A/A CI {width(AA):.3%} wide, `run`'s up to {max(width(FINISH), width(ABORT)):.3%}: {resolved} at"
+        f" the {1 - target:.1%} margin"
+    )
+
+
+def _counted_verdicts(data: dict[str, Any]) -> list[str]:
+    counted = data.get("counted", {})
+    if "missing" in counted:
+        return [f"Instructions not counted: {counted['missing']}."]
+    lines = []
+    for label, found in counted.items():
+        modes, resolution = _counted_verdict(label, found)
+        lines.append(
+            f"{label}, target {found['target']:g}, instructions: {modes}; {found['rounds']} rounds,"
+            f" {resolution} ({found['seconds'] / 60:.0f} min under callgrind); {found['avx2_share']:.0%} of"
+            " the plain call's count is in AVX2 code."
+        )
+    return lines
+
+
 def _headline(data: dict[str, Any]) -> list[str]:
     """One line per model: the throughput ratios of finish and abort mode, beside the A/A arm's."""
     lines = []
@@ -746,6 +878,16 @@ def _headline(data: dict[str, Any]) -> list[str]:
                 f" {arms[NATIVE]['cpu_ratio']:.4f};"
                 f" target {r.target:g}."
             )
+    for label, found in data.get("counted", {}).items():
+        if label == "missing":
+            continue
+        arms = found["arms"]
+        modes, resolution = _counted_verdict(label, found)
+        lines.append(
+            f"Work, {label}: instructions of the plain call / `run`'s, counted under callgrind: {modes};"
+            f" A/A {arms[AA]['ratio']:.5f}, native stop {arms[NATIVE]['ratio']:.5f}; target"
+            f" {found['target']:g}, {resolution}."
+        )
     c = data["costs"]
     lines.append(
         f"Timed directly: stopcock's criterion {c['criterion'] * 1e6:.2f} µs per token against"

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from bench import instructions
 from bench.__main__ import (
     BENCHMARKS,
     SUMMARY_END,
@@ -28,7 +29,7 @@ from bench.__main__ import (
 )
 from bench.common import CPU, balanced_orders, cluster_median_ci, interleaved, machine_info, median_ci, quiet
 from bench.latency import ARMS
-from bench.overhead import PLAIN, Throughput, in_fresh_process
+from bench.overhead import AA, ABORT, FINISH, NATIVE, PLAIN, Throughput, in_fresh_process
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5])
@@ -64,6 +65,24 @@ def test_a_share_of_rounds_runs_in_a_fresh_process():
     times = in_fresh_process(Throughput("generate", 2), CPU, rounds=1)
     assert times.keys() >= {PLAIN, "`run`, mode=finish", "`run`, mode=abort"} and len(times) == 5
     assert all(len(calls) == 1 and wall > 0 and cpu > 0 for calls in times.values() for wall, cpu in calls)
+
+
+def test_a_callgrind_dump_is_read_as_each_function_s_own_instructions():
+    # main runs 10, calls mkl_blas_avx2_sgemm (the 100 after calls= is the callee's), then runs 5 more
+    dump = "events: Ir\nfn=(1) main\n3 10\ncfn=(2) mkl_blas_avx2_sgemm\ncalls=1 0\n+1 100\n+2 5\n"
+    dump += "fn=(2)\n0 100\n"
+    assert instructions.self_costs(dump) == {"main": 15, "mkl_blas_avx2_sgemm": 100}
+
+
+@pytest.mark.skipif(instructions.missing() is not None, reason=f"counting {instructions.missing()}")
+def test_each_arm_s_instructions_are_counted_under_callgrind():
+    counted, _ = instructions.count_table(Throughput("generate", 2), rounds=1, warmup=1)
+    counts = {name: calls[0] for name, calls in counted.counts.items()}
+    assert counts.keys() == {PLAIN, AA, NATIVE, FINISH, ABORT}
+    assert all(len(calls) == 1 for calls in counted.counts.values()) and counts[PLAIN] > 10**6
+    assert abs(counts[AA] / counts[PLAIN] - 1) < 0.01  # the same call, counted twice: the allocators' noise
+    assert counts[FINISH] > counts[PLAIN] and counts[ABORT] > counts[PLAIN]  # run's own work is in its count
+    assert 0 < counted.avx2_share < 1
 
 
 @pytest.fixture(scope="module")
