@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# A test run started with Ctrl+C ignored (a background job of a script, nohup) would pass that on to
+# the children of the Ctrl+C tests, which then never see the SIGINT they are sent and hang: with a
+# handler here, each child starts with the default, as a program run from a terminal does.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
