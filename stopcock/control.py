@@ -252,9 +252,12 @@ class RunControl:
 
     def _stop(self, reason: str) -> None:
         """Stop the token (the first reason wins), and re-evaluate what is due: every stop of the
-        token goes through here, so it needs no callback of its own."""
-        self.token.stop(reason)
-        self._stirred()
+        token goes through here, so it needs no callback of its own (and a callback of the token
+        that raises cannot keep the wires from being armed)."""
+        try:
+            self.token.stop(reason)
+        finally:
+            self._stirred()
 
     # -- checks ----------------------------------------------------------------------------------
     @property
