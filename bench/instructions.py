@@ -18,11 +18,13 @@ Needs ``valgrind`` (with its header ``valgrind/callgrind.h``) and a C compiler: 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,7 +33,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .overhead import Throughput
@@ -137,32 +139,46 @@ def avx2_share(dump: Path) -> float:
     return sum(n for name, n in costs.items() if "avx2" in name.lower()) / max(1, sum(costs.values()))
 
 
-def count_table(table: Throughput, rounds: int, warmup: int = 1) -> tuple[Counted, float]:
-    """The instructions of each call of ``table``'s arms (a :class:`bench.overhead.Throughput`, on
-    the CPU): ``warmup`` rounds, then ``rounds`` interleaved rounds, in a new process under
-    callgrind; and the seconds that took."""
+def _under_callgrind(job: str, *args: str) -> Any:
+    """What the child ``python -m bench.instructions JOB ARGS...`` returns (as JSON), run under
+    callgrind with instrumentation off until it starts it."""
     reason = missing()
     if reason:
         raise RuntimeError(f"counting instructions {reason}")
-    started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="stopcock-callgrind-") as folder:
         requests = Path(folder) / "requests.so"
         source = Path(folder) / "requests.c"
         source.write_text(REQUESTS_C)
         subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(requests), str(source)], check=True)
-        dumps, out = Path(folder) / "callgrind.out", Path(folder) / "counts.json"
+        dumps, out = Path(folder) / "callgrind.out", Path(folder) / "out.json"
         command = [
             "valgrind", "--tool=callgrind", "--instr-atstart=no", "--dump-line=no", "--dump-instr=no",
             f"--callgrind-out-file={dumps}", sys.executable, "-m", "bench.instructions",
-            json.dumps(asdict(table)), str(rounds), str(warmup), str(requests), str(dumps), str(out),
+            job, str(requests), str(dumps), str(out), *args,
         ]
         # a fixed hash seed: the same code counts the same instructions in the next run
         env = {**os.environ, "PYTHONHASHSEED": "0", "HF_HUB_OFFLINE": "1"}
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"counting {table} under callgrind failed:\n{done.stderr[-4000:]}")
-        counted = Counted(**json.loads(out.read_text()))
+            what = " ".join([job, *args])
+            raise RuntimeError(f"counting {what} under callgrind failed:\n{done.stderr[-4000:]}")
+        return json.loads(out.read_text())
+
+
+def count_table(table: Throughput, rounds: int, warmup: int = 1) -> tuple[Counted, float]:
+    """The instructions of each call of ``table``'s arms (a :class:`bench.overhead.Throughput`, on
+    the CPU): ``warmup`` rounds, then ``rounds`` interleaved rounds, in a new process under
+    callgrind; and the seconds that took."""
+    started = time.monotonic()
+    counted = Counted(**_under_callgrind("table", json.dumps(asdict(table)), str(rounds), str(warmup)))
     return counted, time.monotonic() - started
+
+
+def count_checks(calls: int) -> dict[str, float]:
+    """:func:`bench.overhead.check_costs` in instructions per call (:class:`Counting`), in a new
+    process under callgrind."""
+    costs: dict[str, float] = _under_callgrind("checks", str(calls))
+    return costs
 
 
 def count_tables(jobs: list[tuple[Throughput, int]], warmup: int = 1) -> list[tuple[Counted, float]]:
@@ -172,7 +188,33 @@ def count_tables(jobs: list[tuple[Throughput, int]], warmup: int = 1) -> list[tu
         return list(pool.map(lambda job: count_table(job[0], job[1], warmup), jobs))
 
 
-def _counted_share(spec: str, rounds: int, warmup: int, requests: str, dumps: str) -> Counted:
+@dataclass
+class Counting:
+    """The direct per-call costs (:class:`bench.overhead.Measure`) in instructions, under callgrind:
+    a batch of ``calls`` calls counted, less the same loop calling nothing; what a variant adds, its
+    batch less the base's. Each batch is the median of three counts."""
+
+    callgrind: Callgrind
+    unit: str = "instructions"
+
+    def _batch(self, fn: Callable[[], object], calls: int,
+               within: Callable[[], Any] = contextlib.nullcontext) -> float:
+        def loop() -> None:
+            for _ in range(calls):
+                fn()
+
+        with within():
+            return statistics.median(read_total(self.callgrind.count(loop)) for _ in range(3))
+
+    def per_call(self, fn: Callable[[], object], calls: int) -> float:
+        return (self._batch(fn, calls) - self._batch(lambda: None, calls)) / calls
+
+    def added(self, base: Callable[[], object], variant: Callable[[], object], calls: int,
+              within: Callable[[], Any] = contextlib.nullcontext) -> float:
+        return (self._batch(variant, calls, within) - self._batch(base, calls)) / calls
+
+
+def _counted_share(spec: str, rounds: int, warmup: int, callgrind: Callgrind) -> Counted:
     """Under callgrind: the arms of the table ``spec`` describes, built here, counted in rounds; and
     the AVX2 share of the plain call's last count."""
     from .common import CPU, frozen_heap, interleaved, quiet
@@ -181,7 +223,6 @@ def _counted_share(spec: str, rounds: int, warmup: int, requests: str, dumps: st
     fields = json.loads(spec)
     table = Throughput(**{**fields, "shape": tuple(fields["shape"])})
     with quiet():
-        callgrind = Callgrind(requests, dumps)
         arms = build_arms(table, CPU, measure=callgrind.count)
         callgrind.start()
         interleaved(arms, 0, warmup=warmup)
@@ -193,6 +234,24 @@ def _counted_share(spec: str, rounds: int, warmup: int, requests: str, dumps: st
     )
 
 
+def _counted_checks(calls: int, callgrind: Callgrind) -> dict[str, float]:
+    """Under callgrind: :func:`bench.overhead.check_costs`, counted."""
+    from .common import frozen_heap, quiet
+    from .overhead import check_costs
+
+    with quiet():
+        counting = Counting(callgrind)
+        check_costs(calls, counting)  # a first pass, uncounted: imports, the pipeline, warm paths
+        callgrind.start()
+        with frozen_heap():
+            return check_costs(calls, counting)
+
+
 if __name__ == "__main__":
-    spec, rounds, warmup, requests, dumps, out = sys.argv[1:]
-    Path(out).write_text(json.dumps(asdict(_counted_share(spec, int(rounds), int(warmup), requests, dumps))))
+    job, requests, dumps, out, *args = sys.argv[1:]
+    callgrind = Callgrind(requests, dumps)
+    if job == "table":
+        result: Any = asdict(_counted_share(args[0], int(args[1]), int(args[2]), callgrind))
+    else:
+        result = _counted_checks(int(args[0]), callgrind)
+    Path(out).write_text(json.dumps(result))

@@ -26,7 +26,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from transformers import MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList, pipeline
@@ -98,6 +98,7 @@ class Config:
     check_calls: int
     fixed_calls: int  # rounds of the fixed-cost timing of a text call (an image call: a fifth of them)
     image_counted: int = 0  # rounds of instruction counts of the image table (0: none)
+    counted_checks: int = 0  # calls a batch of the direct per-call costs counted in instructions (0: none)
 
 
 QUICK = Config(
@@ -120,6 +121,7 @@ FULL = Config(
     check_calls=20000,
     fixed_calls=1000,
     image_counted=4,
+    counted_checks=1000,
 )
 
 #: Costs timed as what a variant adds to a base call (paired batches, median), not on their own.
@@ -391,45 +393,65 @@ def count_instructions(table: Table, config: Config, device: Device) -> dict[str
     return out
 
 
-# -- the direct per-call timings ------------------------------------------------------------------------
-def per_call(fn: Callable[[], object], calls: int, device: Device = CPU) -> float:
-    """Seconds per call of ``fn``: the best of 5 batches (noise only ever adds time)."""
-    return min(timed(lambda: [fn() for _ in range(calls)], device) for _ in range(5)) / calls
+# -- the direct per-call costs ------------------------------------------------------------------------
+class Measure(Protocol):
+    """How the direct per-call costs are measured: in seconds (:class:`Timed`) or in instructions
+    (:class:`bench.instructions.Counting`, under callgrind)."""
+
+    unit: str
+
+    def per_call(self, fn: Callable[[], object], calls: int) -> float:
+        """What one call of ``fn`` costs."""
+        ...
+
+    def added(self, base: Callable[[], object], variant: Callable[[], object], calls: int,
+              within: Callable[[], Any] = contextlib.nullcontext) -> float:
+        """What ``variant`` (run ``within`` a context) costs per call beyond ``base``."""
+        ...
 
 
-def added(base: Callable[[], object], variant: Callable[[], object], calls: int, device: Device = CPU,
-          within: Callable[[], Any] = contextlib.nullcontext) -> float:
-    """Seconds ``variant`` adds per call to ``base``: the median over 31 pairs of batches timed one
-    right after the other, in alternating order, so drift cancels (``variant`` runs ``within``)."""
+@dataclass(frozen=True)
+class Timed:
+    """Seconds per call on ``device``: the best of 5 batches (noise only ever adds time); what a
+    variant adds, as the median over 31 pairs of batches timed one right after the other, in
+    alternating order, so drift cancels."""
 
-    def batch(fn: Callable[[], object], context: Callable[[], Any]) -> float:
-        with context():
-            return timed(lambda: [fn() for _ in range(calls)], device)
+    device: Device = CPU
+    unit: str = "s"
 
-    diffs = []
-    for r in range(31):
-        if r % 2:
-            base_s, variant_s = batch(base, contextlib.nullcontext), batch(variant, within)
-        else:
-            variant_s, base_s = batch(variant, within), batch(base, contextlib.nullcontext)
-        diffs.append(variant_s - base_s)
-    return median(diffs) / calls
+    def per_call(self, fn: Callable[[], object], calls: int) -> float:
+        return min(timed(lambda: [fn() for _ in range(calls)], self.device) for _ in range(5)) / calls
+
+    def added(self, base: Callable[[], object], variant: Callable[[], object], calls: int,
+              within: Callable[[], Any] = contextlib.nullcontext) -> float:
+        def batch(fn: Callable[[], object], context: Callable[[], Any]) -> float:
+            with context():
+                return timed(lambda: [fn() for _ in range(calls)], self.device)
+
+        diffs = []
+        for r in range(31):
+            if r % 2:
+                base_s, variant_s = batch(base, contextlib.nullcontext), batch(variant, within)
+            else:
+                variant_s, base_s = batch(variant, within), batch(base, contextlib.nullcontext)
+            diffs.append(variant_s - base_s)
+        return median(diffs) / calls
 
 
-def check_costs(table: Table, calls: int, device: Device) -> dict[str, float]:
+def check_costs(calls: int, measure: Measure, device: Device = CPU) -> dict[str, float]:
     """What a run adds per token, per module call and per denoising step, beside what the
-    libraries' own mechanisms cost, each timed in isolation on this machine."""
+    libraries' own mechanisms cost, each measured in isolation (``calls`` calls a batch)."""
     ids = torch.zeros((1, 32), dtype=torch.long, device=device.name)
     max_length = MaxLengthCriteria(max_length=10**9)
     ours = stopcock.stopping_criteria(stopcock.StopSignal())[0]  # the criterion class a run adds
     full = stopcock.stopping_criteria(stopcock.when(lambda state: False))[0]  # a check at every token
     costs: dict[str, float] = {
-        "max_length": per_call(lambda: max_length(ids, None), calls, device),
-        "criterion": per_call(lambda: ours(ids, None), calls, device),
-        "criterion_full": per_call(lambda: full(ids, None), calls, device),
+        "max_length": measure.per_call(lambda: max_length(ids, None), calls),
+        "criterion": measure.per_call(lambda: ours(ids, None), calls),
+        "criterion_full": measure.per_call(lambda: full(ids, None), calls),
     }
     alone, both = StoppingCriteriaList([max_length]), StoppingCriteriaList([max_length, ours])
-    costs["in_list"] = added(lambda: alone(ids, None), lambda: both(ids, None), calls, device)
+    costs["in_list"] = measure.added(lambda: alone(ids, None), lambda: both(ids, None), calls)
     block = device.place(torch.nn.Linear(8, 8))
     x = torch.zeros(1, 8, device=device.name, dtype=device.torch_dtype)
 
@@ -449,10 +471,15 @@ def check_costs(table: Table, calls: int, device: Device) -> dict[str, float]:
                 yield
 
     with torch.no_grad():
-        costs["module_unarmed"] = added(call, lambda: block(x), calls, device, unarmed)
-        costs["module_armed"] = added(call, lambda: block(x), calls, device, armed)
-    costs.update(_step_costs(calls // 10, device))
+        costs["module_unarmed"] = measure.added(call, lambda: block(x), calls, unarmed)
+        costs["module_armed"] = measure.added(call, lambda: block(x), calls, armed)
+    costs.update(_step_costs(calls // 10, measure, device))
     costs["block_hook"] = costs["module_unarmed"]  # what abort mode adds per block before a stop
+    return costs
+
+
+def check_rows(table: Table, costs: dict[str, float], unit: str) -> None:
+    """One row per cost of :func:`check_costs`, in µs (``unit`` "s") or instructions per call."""
     rows = [
         ("`MaxLengthCriteria.__call__` (transformers' own, the anchor)", "max_length",
          "every token, every generate call"),
@@ -479,12 +506,13 @@ def check_costs(table: Table, calls: int, device: Device) -> dict[str, float]:
          " is fast-forwarded from it)", "record",
          "each loop model call (the tiny SD's UNet: once per step), finish and abort"),
     ]
+    alone = "best of 5" if unit == "s" else "count"
     for what, key, paid in rows:
-        table.add(what, f"{costs[key] * 1e6:.2f}", "difference" if key in DIFFERENCES else "best of 5", paid)
-    return costs
+        value = f"{costs[key] * 1e6:.2f}" if unit == "s" else f"{costs[key]:,.0f}"
+        table.add(what, value, "difference" if key in DIFFERENCES else alone, paid)
 
 
-def _step_costs(calls: int, device: Device) -> dict[str, float]:
+def _step_costs(calls: int, measure: Measure, device: Device) -> dict[str, float]:
     """Per denoising step, each added to a real ``scheduler.step`` (DDIM on the tiny SD latents), so
     both run in the same state of the caches: stopcock's wrapped step, and what diffusers itself runs
     per step for a ``callback_on_step_end``. Per loop model call: stopcock's recording hook, beside a
@@ -512,8 +540,8 @@ def _step_costs(calls: int, device: Device) -> dict[str, float]:
         outputs = callback(pipe, i, t, callback_kwargs)
         return result, outputs.pop("latents", latents)
 
-    costs = {"step": added(step, step, calls, device, attached),
-             "native_step": added(step, native_step, calls, device)}
+    costs = {"step": measure.added(step, step, calls, attached),
+             "native_step": measure.added(step, native_step, calls)}
     block = device.place(torch.nn.Linear(8, 8))
     x = torch.zeros(1, 8, device=device.name, dtype=device.torch_dtype)
 
@@ -526,9 +554,9 @@ def _step_costs(calls: int, device: Device) -> dict[str, float]:
             handle.remove()
 
     with torch.no_grad():
-        costs["torch_hook"] = added(lambda: block(x), lambda: block(x), calls, device, torch_hook)
+        costs["torch_hook"] = measure.added(lambda: block(x), lambda: block(x), calls, torch_hook)
         recording = LoopModels([block]).recording
-        costs["record"] = added(lambda: block(x), lambda: block(x), calls, device, recording)
+        costs["record"] = measure.added(lambda: block(x), lambda: block(x), calls, recording)
     return costs
 
 
@@ -624,7 +652,9 @@ def run(quick: bool = False, device: Device = CPU) -> Section:
     data: dict[str, Any] = {
         "text": {}, "image": {}, "implied": {}, "syncs": {}, "resolution": {}, "fixed": {},
     }
-    costs = data["costs"] = check_costs(checks, config.check_calls, device)
+    timer = Timed(device)
+    costs = data["costs"] = check_costs(config.check_calls, timer, device)
+    check_rows(checks, costs, timer.unit)
     data["checks"] = {key: costs[key] for key in ("step", "criterion", "block_hook")}
     implied = Table(
         "Overhead per call implied by the direct timings (generate)",
@@ -700,6 +730,11 @@ def run(quick: bool = False, device: Device = CPU) -> Section:
          "middle half of the rounds", "added to the plain call (thousands, median)"],
     )
     data["counted"] = count_instructions(counted, config, device)
+    counted_checks = Table("Cost of one call, counted in instructions (callgrind)",
+                           ["what", "instructions per call", "counted as", "paid"])
+    if config.counted_checks and "missing" not in data["counted"] and device == CPU:
+        data["counted_costs"] = instructions.count_checks(config.counted_checks)
+        check_rows(counted_checks, data["counted_costs"], "instructions")
     return Section(
         title="1. Overhead of a stop that is never requested",
         intro=(
@@ -728,7 +763,8 @@ def run(quick: bool = False, device: Device = CPU) -> Section:
             f" {config.image_rounds.most}, {config.image_rounds.budget_s:g} s, the image table); read a"
             " ratio against its table's A/A row."
         ),
-        tables=[text, image, *([counted] if counted.rows else []), checks, implied,
+        tables=[text, image, *([counted] if counted.rows else []), checks,
+                *([counted_checks] if counted_checks.rows else []), implied,
                 *([syncs] if device.cuda else [])],
         notes=[
             *(_verdicts(data)),
@@ -898,6 +934,16 @@ def _headline(data: dict[str, Any]) -> list[str]:
         f" before a stop {c['module_unarmed'] * 1e6:.2f} µs"
         f" per module call (nothing installed), {c['module_armed'] * 1e6:.2f} µs once armed."
     )
+    n = data.get("counted_costs")
+    if n:
+        lines.append(
+            f"Counted in instructions (callgrind): stopcock's criterion {n['criterion']:,.0f} per token"
+            f" against {n['max_length']:,.0f} for `MaxLengthCriteria`; the wrapped `scheduler.step`"
+            f" {n['step']:,.0f} per step against {n['native_step']:,.0f} for diffusers'"
+            f" `callback_on_step_end`; the recording hook {n['record']:,.0f} per loop model call against"
+            f" {n['torch_hook']:,.0f} for a torch hook that does nothing; a module call in abort mode before"
+            f" a stop {n['module_unarmed']:,.0f}, {n['module_armed']:,.0f} once armed."
+        )
     f = data["fixed"]
     lines.append(
         "Fixed cost of a call of `run` itself (outside the model forwards, finish / abort), beside the plain"

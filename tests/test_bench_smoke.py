@@ -85,6 +85,14 @@ def test_each_arm_s_instructions_are_counted_under_callgrind():
     assert 0 < counted.avx2_share < 1
 
 
+@pytest.mark.skipif(instructions.missing() is not None, reason=f"counting {instructions.missing()}")
+def test_the_direct_per_call_costs_are_counted_under_callgrind():
+    costs = instructions.count_checks(100)
+    assert costs["criterion"] < costs["max_length"]  # stopcock's criterion against transformers' own
+    assert abs(costs["module_unarmed"]) < 500 < costs["module_armed"]  # nothing installed until armed
+    assert costs["step"] > 0 and costs["native_step"] > 0 and costs["record"] > 0
+
+
 @pytest.fixture(scope="module")
 def sections():
     with quiet():

@@ -218,12 +218,15 @@ class _RunCriteria(StoppingCriteria):
             self.observe(ids)
 
     def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
-        if self.last_ids is None or input_ids.shape[1] <= self.last_ids.shape[1]:
-            if self.last_ids is not None:  # a new generation inside the call (Whisper's long-form segments)
+        shape = input_ids.shape  # read once: each read builds a torch.Size
+        rows, length = shape[0], shape[1]
+        last = self.last_ids
+        if last is None or length <= last.shape[1]:
+            if last is not None:  # a new generation inside the call (Whisper's long-form segments)
                 self.start()
             known = self.given_prompt_len
-            self.prompt_len = input_ids.shape[1] - 1 if known is None else known
-        self.new = input_ids.shape[1] - self.prompt_len
+            self.prompt_len = length - 1 if known is None else known
+        self.new = length - self.prompt_len
         self.last_ids = input_ids
         # While nothing can stop the run, the token is only counted (no StepState, no condition walk)
         # and no row is done: the same all-False tensor each token, made at the first one (generate's
@@ -231,8 +234,7 @@ class _RunCriteria(StoppingCriteria):
         # to it). A plain bool stands for every row in the other cases; only stop strings need rows.
         if self.strings is None and self.control.quiet_step(self.base + self.new):
             none = self._none_done
-            if none is None or none.shape[0] != input_ids.shape[0]:
-                rows = input_ids.shape[0]
+            if none is None or none.shape[0] != rows:
                 none = self._none_done = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)
             return none  # type: ignore[return-value]
         done: torch.Tensor | bool = False
