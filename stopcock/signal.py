@@ -28,7 +28,7 @@ class StopSignal:
         self._claim: dict[str, tuple[str]] = {}
         self._stopped_at: float | None = None
         self._callbacks = Callbacks(self._lock)
-        self._skip_callbacks = Callbacks(self._lock)
+        self._skip_callbacks: Callbacks | None = None  # made by the first on_skip()
         self._children: weakref.WeakSet[StopSignal] | None = None  # made by the first child()
         self._parent: StopSignal | None = None  # a child keeps its parent (and so the chain) alive
         self._skips = 0  # skip() calls: a run compares it with the count when its current item began
@@ -156,11 +156,17 @@ class StopSignal:
             children = self._kids()
         for child in children:
             child.skip()
-        _run_all(self._skip_callbacks.snapshot())
+        callbacks = self._skip_callbacks
+        if callbacks is not None:
+            _run_all(callbacks.snapshot())
 
     def on_skip(self, fn: Callable[[], object]) -> Callable[[], None]:
         """Run ``fn()`` after each :meth:`skip` (on the skipping thread). Returns a remover."""
-        return self._skip_callbacks.add(fn)
+        with self._lock:
+            if self._skip_callbacks is None:
+                self._skip_callbacks = Callbacks(self._lock)
+            callbacks = self._skip_callbacks
+        return callbacks.add(fn)
 
     def stop_after_item(self, reason: str = "user") -> bool:
         """Let the current item of a run finish, then start no new one; the run ends with ``reason``.

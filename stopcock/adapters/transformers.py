@@ -824,16 +824,16 @@ class TransformersAdapter:
     options: frozenset[str] = frozenset()
 
     def accepts(self, target: object) -> bool:
-        return isinstance(target, Pipeline) or (
-            isinstance(target, (GenerationMixin, torch.nn.Module))
-            and callable(getattr(target, "generate", None))
-        )
+        # a model first: isinstance of Pipeline (an ABC) runs Python code
+        if isinstance(target, (GenerationMixin, torch.nn.Module)):
+            return callable(getattr(target, "generate", None))
+        return isinstance(target, Pipeline)
 
     def run(
         self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], control: RunControl, **options: Any
     ) -> Outcome:
         """Run a generate call or a pipeline call with ``control`` attached."""
-        if isinstance(target, Pipeline):
+        if not isinstance(target, torch.nn.Module) and isinstance(target, Pipeline):
             return _run_pipeline(target, args, kwargs, control)
         return _run_generate(target, args, kwargs, control)
 
