@@ -31,7 +31,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +46,7 @@ void zero_stats(void) { CALLGRIND_ZERO_STATS; }
 void dump_stats(void) { CALLGRIND_DUMP_STATS; }
 """
 HEADER = Path("/usr/include/valgrind/callgrind.h")
+QUICKENED = 10  # rounds of one-step calls before counting (CPython specialises a function after 8 calls)
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -224,6 +225,10 @@ def _counted_share(spec: str, rounds: int, warmup: int, callgrind: Callgrind) ->
     table = Throughput(**{**fields, "shape": tuple(fields["shape"])})
     with quiet():
         arms = build_arms(table, CPU, measure=callgrind.count)
+        # Uncounted and short (one step), until every code path of every arm has run often enough for
+        # Python to specialise its bytecode (after 8 calls of a function): code that a run executes
+        # once a call would otherwise count more in the first rounds than in the last.
+        interleaved(build_arms(replace(table, steps=1), CPU), 0, warmup=QUICKENED)
         callgrind.start()
         interleaved(arms, 0, warmup=warmup)
         with frozen_heap():

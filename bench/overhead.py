@@ -836,8 +836,10 @@ def _verdicts(data: dict[str, Any]) -> list[str]:
 _COUNTED_NOTE = (
     "Instructions (the callgrind table): a count of the instructions a call executes does not depend on"
     " the machine's load, so it resolves what time cannot here. Each table's arms are built as for"
-    " timing, in one process run under `valgrind --tool=callgrind` (Python's hash seed fixed), and called"
-    " after one warm-up round in {rounds} rounds in the same balanced orders; each call is preceded by an"
+    " timing, in one process run under `valgrind --tool=callgrind` (Python's hash seed fixed); after ten"
+    " uncounted rounds of one-step calls (so that Python has specialised the bytecode of every function"
+    " the arms call) and one warm-up round, they are called in {rounds} rounds in the same balanced"
+    " orders; each call is preceded by an"
     " uncounted garbage collection (so the collections a call triggers are its own) and bracketed by"
     " callgrind's zero and dump requests. The ratio is the plain call's count over the arm's in the"
     " same round (median, 95% CI from order statistics); *added* is the median difference. What varies"
