@@ -29,8 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
 
 from .conditions import (
     Condition,
@@ -96,14 +95,14 @@ class Abort(BaseException):
         self.control = control
 
 
-@dataclass(frozen=True)
-class Watch:
+class Watch(NamedTuple):
     """What in a condition can stop a run, and when (read once, when the run is bound).
 
     ``every_step``: a part must see each step's state (``when()``, or a condition class of your
     own); ``in_forward``: a part may fire inside a forward at any moment (a condition of your own,
-    unless its class says ``fires_in_forward = False``).
-    Conditions are matched by exact class: a subclass is treated as a condition of your own.
+    unless its class says ``fires_in_forward = False``); ``per_row``: a part is a row condition
+    (``stop_strings``). Conditions are matched by exact class: a subclass is treated as a condition
+    of your own. A named tuple: every run builds one, and a frozen dataclass costs twice as much.
     """
 
     signals: tuple[StopSignal, ...] = ()
@@ -112,13 +111,16 @@ class Watch:
     max_steps: float = math.inf  # the lowest max_steps(n)
     every_step: bool = False
     in_forward: bool = False
+    per_row: bool = False
 
     @classmethod
     def of(cls, condition: Condition | None) -> Watch:
+        if type(condition) is Signalled:  # stop=signal, the usual case
+            return cls(signals=(condition.signal,))
         signals: dict[StopSignal, None] = {}  # each once, in order
         timeouts: list[float] = []
         deadlines: list[float] = []
-        max_steps, every_step, own, in_forward = math.inf, False, False, False
+        max_steps, every_step, own, in_forward, per_row = math.inf, False, False, False, False
         for leaf in () if condition is None else condition.parts():
             # by exact class: a subclass may check differently
             if type(leaf) is Signalled:
@@ -131,12 +133,15 @@ class Watch:
                 max_steps = min(max_steps, leaf.n)
             elif type(leaf) is When:
                 every_step = True
-            elif type(leaf) is not StopStrings:
+            elif type(leaf) is StopStrings:
+                per_row = True
+            else:
                 own = True
                 in_forward = in_forward or leaf.fires_in_forward
+                per_row = per_row or leaf.per_row
         return cls(
             signals=tuple(signals), timeouts=tuple(timeouts), deadlines=tuple(deadlines),
-            max_steps=max_steps, every_step=every_step or own, in_forward=in_forward,
+            max_steps=max_steps, every_step=every_step or own, in_forward=in_forward, per_row=per_row,
         )
 
 
@@ -227,7 +232,8 @@ class RunControl:
     def __enter__(self) -> RunControl:
         self._start()
         self._skip_base = self._skips()
-        self._unlink += [signal.on_stop(self._forward(signal)) for signal in self._followed]
+        for signal in self._followed:
+            self._unlink.append(signal.on_stop(self._forward(signal)))
         self._forwarded = self._followed  # their stops reach the token from now on
         return self
 
@@ -438,8 +444,8 @@ class RunControl:
             first = not self._wires
             skips = kind == "step" and all(k != "step" for _, k in self._wires)
             self._wires.append((wire, kind))
-        if first:  # every stop of a signal of the run re-evaluates what is due (the token's, in
-            # _stop; those forwarded to the token reach it there)
+        if first and self.watch.signals != self._forwarded:  # every stop of a signal of the run
+            # re-evaluates what is due (the token's, in _stop; those forwarded to the token reach it there)
             self._unlink += [s.on_stop(self._stirred) for s in self.watch.signals if s not in self._forwarded]
         if skips:  # and so does a skip, for the step checks
             self._unlink += [s.on_skip(self._stirred) for s in self._followed]
@@ -458,11 +464,10 @@ class RunControl:
             assert self.escalate_after is not None
             requested = [t for t in (self.token.stopped_at, self._due) if t is not None]
             return min(requested) + self.escalate_after if requested else None
-        if (
-            any(s.stopped for s in self._signals)
-            or (kind == "abort" and self.watch.in_forward)
-            or (kind == "step" and self._skip_called())
-        ):
+        for signal in self._signals:
+            if signal.stopped:
+                return -math.inf
+        if (kind == "abort" and self.watch.in_forward) or (kind == "step" and self._skip_called()):
             return -math.inf
         return None if self._due is None else self._due - ARM_AHEAD
 

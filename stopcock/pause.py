@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any
 
-from .conditions import Condition, top_level
+from .conditions import Condition, Signalled, top_level
 from .signal import StopSignal
 from .state import StepState
 
@@ -117,10 +117,15 @@ class PauseSignal(Condition):
                 self._runs.pop(me, None)
 
 
+_NOTHING: AbstractContextManager[None] = nullcontext()  # reusable: it holds no state
+
+
 def holding(condition: Condition | None, token: StopSignal, target: Any) -> AbstractContextManager[Any]:
     """Bind every :class:`PauseSignal` at the top level of a run's conditions to the run."""
+    if type(condition) is Signalled:  # stop=signal, the usual case: nothing to bind
+        return _NOTHING
     pauses = [leaf for leaf in top_level(condition) if isinstance(leaf, PauseSignal)]
-    return _held(pauses, token, target) if pauses else nullcontext()
+    return _held(pauses, token, target) if pauses else _NOTHING
 
 
 @contextmanager

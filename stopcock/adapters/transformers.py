@@ -331,7 +331,7 @@ class _Settings:
 
 
 def _make_criteria(control: RunControl, tokenizer: Any) -> _RunCriteria:
-    strings = stop_strings_of(control.condition)
+    strings = stop_strings_of(control.condition) if control.watch.per_row else []
     if strings and tokenizer is None:
         raise ValueError(
             "stop_strings(...) needs the model's tokenizer: pass tokenizer=... (to stopcock.run with a model,"
@@ -475,7 +475,14 @@ def _prompt(args: tuple[Any, ...], kwargs: dict[str, Any], model: Any = None) ->
 
 
 def _decoder_only(model: Any) -> bool:
-    return not getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+    config = getattr(model, "config", None)
+    try:
+        # the instance's own attribute, read past PretrainedConfig's __getattribute__ overrides:
+        # they run Python code on every read, more than the rest of a run's setup reads together
+        flag = object.__getattribute__(config, "__dict__")["is_encoder_decoder"]
+    except (AttributeError, KeyError):
+        flag = getattr(config, "is_encoder_decoder", False)
+    return not flag
 
 
 def _outcome(
