@@ -24,6 +24,7 @@ itself can wait (transformers' criterion joins generate's list only then; diffus
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
@@ -54,6 +55,8 @@ if TYPE_CHECKING:
     from .hooks import Tripwire
 
 __all__ = ["ARM_AHEAD", "Abort", "Flag", "RunControl", "MODES", "Watch", "Wire"]
+
+_NOTHING: AbstractContextManager[None] = nullcontext()  # reusable: it holds no state
 
 #: Seconds before a timeout or deadline expires at which abort mode arms its in-forward checks.
 ARM_AHEAD = 0.05
@@ -180,7 +183,12 @@ class RunControl:
         self.watch = Watch.of(self.condition)
         self.on_step = on_step  # (sets whether quiet steps may take the fast path)
         # the user's signals whose skip() and stop_after_item() this run follows
-        self._followed = tuple(c.signal for c in top_level(self.condition) if isinstance(c, Signalled))
+        condition = self.condition
+        self._followed: tuple[StopSignal, ...] = (
+            (condition.signal,)  # stop=signal, the usual case
+            if type(condition) is Signalled
+            else tuple(c.signal for c in top_level(condition) if isinstance(c, Signalled))
+        )
         self._skip_base = 0  # skip() calls seen when the current item began
         self._in_items = False  # the run goes item by item (start_item was called)
         self.skipping = False  # the current item is being skipped
@@ -425,10 +433,8 @@ class RunControl:
         """
         abort = self.mode == "abort" if abort is None else abort
         if not abort and self.escalate_after is None:
-            return nullcontext()
-        from .hooks import Tripwire  # here: importing stopcock must not import torch
-
-        wire = Tripwire(None, (lambda _m: self.poll()) if abort else self._poll_escalation)
+            return _NOTHING
+        wire = _tripwire()(None, (lambda _m: self.poll()) if abort else self._poll_escalation)
         return _Arming(self, wire, "abort" if abort else "escalate", closes=wire)
 
     def arming(self, wire: Wire, kind: WireKind = "step") -> AbstractContextManager[None]:
@@ -442,13 +448,14 @@ class RunControl:
         :meth:`_drop_wire`, even when this raises), armed at once if it is due."""
         with self._lock:
             first = not self._wires
-            skips = kind == "step" and all(k != "step" for _, k in self._wires)
+            skips = kind == "step" and (first or all(k != "step" for _, k in self._wires))
             self._wires.append((wire, kind))
         if first and self.watch.signals != self._forwarded:  # every stop of a signal of the run
             # re-evaluates what is due (the token's, in _stop; those forwarded to the token reach it there)
             self._unlink += [s.on_stop(self._stirred) for s in self.watch.signals if s not in self._forwarded]
         if skips:  # and so does a skip, for the step checks
-            self._unlink += [s.on_skip(self._stirred) for s in self._followed]
+            for signal in self._followed:
+                self._unlink.append(signal.on_skip(self._stirred))
         # a thread to wait for what is due later (made here, not in a stop() callback)
         if self._alarm is None and (kind == "escalate" or self._due is not None):
             self._alarm = _Alarm(self._arm_due)
@@ -458,16 +465,14 @@ class RunControl:
         with self._lock:
             self._wires.remove((wire, kind))
 
-    def _arm_at(self, kind: WireKind) -> float | None:
-        """When the wires of ``kind`` are due (monotonic), or None: not yet known."""
+    def _arm_at(self, kind: WireKind, stopped: bool) -> float | None:
+        """When the wires of ``kind`` are due (monotonic), or None: not yet known; ``stopped``: a
+        signal of the run has stopped."""
         if kind == "escalate":
             assert self.escalate_after is not None
             requested = [t for t in (self.token.stopped_at, self._due) if t is not None]
             return min(requested) + self.escalate_after if requested else None
-        for signal in self._signals:
-            if signal.stopped:
-                return -math.inf
-        if (kind == "abort" and self.watch.in_forward) or (kind == "step" and self._skip_called()):
+        if stopped or (kind == "abort" and self.watch.in_forward) or (kind == "step" and self._skip_called()):
             return -math.inf
         return None if self._due is None else self._due - ARM_AHEAD
 
@@ -476,9 +481,16 @@ class RunControl:
         now = time.monotonic()
         later: list[float] = []
         with self._lock:
+            stopped = False
+            for signal in self._signals:
+                if signal.stopped:
+                    stopped = True
+                    break
             for wire, kind in list(self._wires):
-                at = self._arm_at(kind)
-                if at is None or wire.armed:
+                if wire.armed:
+                    continue
+                at = self._arm_at(kind, stopped)
+                if at is None:
                     continue
                 if at > now:
                     later.append(at)
@@ -537,6 +549,15 @@ class RunControl:
             output=output,
             **fields,
         )
+
+
+@functools.cache
+def _tripwire() -> type[Tripwire]:
+    """:class:`~stopcock.hooks.Tripwire`, imported at the first run that needs it (importing stopcock
+    must not import torch), once: an import statement costs a run more than the rest of its arming."""
+    from .hooks import Tripwire
+
+    return Tripwire
 
 
 class _Arming:

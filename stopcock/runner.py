@@ -87,8 +87,8 @@ def bind(
         resumable(found)
     target_kwargs = dict(target_kwargs)
     options = {name: target_kwargs.pop(name) for name in found.options if name in target_kwargs}
-    wrong = sorted(foreign & target_kwargs.keys())
-    if wrong:
+    if not foreign.isdisjoint(target_kwargs):
+        wrong = sorted(foreign & target_kwargs.keys())
         names = ", ".join(f"{name}=" for name in wrong)
         raise TypeError(
             f"{names} is an option of another stopcock adapter, not of the {found.name} adapter that"

@@ -162,10 +162,12 @@ class StopSignal:
 
     def on_skip(self, fn: Callable[[], object]) -> Callable[[], None]:
         """Run ``fn()`` after each :meth:`skip` (on the skipping thread). Returns a remover."""
-        with self._lock:
-            if self._skip_callbacks is None:
-                self._skip_callbacks = Callbacks(self._lock)
-            callbacks = self._skip_callbacks
+        callbacks = self._skip_callbacks
+        if callbacks is None:  # the first: made under the lock, so two threads make one
+            with self._lock:
+                if self._skip_callbacks is None:
+                    self._skip_callbacks = Callbacks(self._lock)
+                callbacks = self._skip_callbacks
         return callbacks.add(fn)
 
     def stop_after_item(self, reason: str = "user") -> bool:

@@ -317,9 +317,8 @@ class _Settings:
         self.config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
 
     def get(self, name: str) -> Any:
-        if self.kwargs.get(name) is not None:
-            return self.kwargs[name]
-        return getattr(self.config, name, None)
+        value = self.kwargs.get(name)
+        return value if value is not None else getattr(self.config, name, None)
 
     def ids(self, name: str) -> list[int]:
         value = self.get(name)
@@ -468,6 +467,8 @@ def _end_streamer(streamer: Any, criteria: _RunCriteria, aborted: bool) -> None:
 def _prompt(args: tuple[Any, ...], kwargs: dict[str, Any], model: Any = None) -> torch.Tensor | None:
     """The main input tensor of a generate call: the first positional one, or the model's input."""
     first = args[0] if args else None
+    if isinstance(first, torch.Tensor):  # the usual generate(input_ids, ...)
+        return first
     for name in (getattr(model, "main_input_name", None), "input_ids", "inputs"):
         if first is None and name:
             first = kwargs.get(name)
