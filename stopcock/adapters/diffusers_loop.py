@@ -42,7 +42,6 @@ class LoopModels:
         self.models = models
         self.outputs: dict[nn.Module, Any] = {}  # the current step's: model -> its last output
         self.forwarded = False  # a model ran since the last step boundary
-        self.calls = 0  # model calls since the last step boundary, answered ones included
         self.answered = 0  # calls answered without computing
         self._held = ExitStack()
         self._holding: set[nn.Module] = set()
@@ -54,13 +53,11 @@ class LoopModels:
     def _record(self, module: nn.Module, output: Any) -> None:
         self.outputs[module] = output
         self.forwarded = True
-        self.calls += 1
 
     def next_step(self) -> None:
         """A step ended: outputs recorded from now on are the next step's."""
         self.outputs = {}
         self.forwarded = False
-        self.calls = 0
 
     def hold(self, answers: Answers) -> None:
         """From now on each model called in this step answers from its output in it, when
@@ -77,7 +74,6 @@ class LoopModels:
                 return call(*args, **kwargs)
             self.answered += 1
             self.forwarded = True
-            self.calls += 1
             return output
 
         return answer
