@@ -9,7 +9,9 @@ tripwire on chosen modules hooks each of them; one on *every* module (``modules=
 hook in torch's global pre-hook dict, so arming it costs the same for a model of ten modules or
 ten thousand. Checks act only on the thread that made the tripwire, so a concurrent run in another
 thread is not touched (its module calls pay torch's hook path, about a microsecond each, while a
-global hook is armed); everything is removed when the ``with`` block exits.
+global hook is armed); everything is removed when the ``with`` block exits. Inside a compiled graph
+(torch traces the hooks of a module compiled in place into it) the check does nothing: no thread
+can be told apart there, and no Python would run; the next module call outside a graph checks.
 
 **Arming while the run's thread is inside a forward.** torch's ``Module._call_impl`` reads
 ``module._forward_pre_hooks`` and the global ``_global_forward_pre_hooks`` afresh at every call and
@@ -25,24 +27,28 @@ over each other.
 
 :func:`input_hooks` (before a forward, with its arguments) and :func:`output_hooks` (after a
 forward: diffusers' fast-forward records the loop models' outputs) are installed at once, act only
-on the thread that installed them and are removed when the ``with`` block exits; :func:`bound`
-replaces a method for this thread.
+on the thread that installed them and are removed when the ``with`` block exits (on a module
+compiled in place they wrap its compiled call instead); :func:`bound` replaces a method for this
+thread.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
-from torch import nn
+from torch import compiler, nn
 from torch.nn.modules import module as torch_module
 from torch.utils.hooks import RemovableHandle
 
 __all__ = ["Tripwire", "bound", "find_blocks", "input_hooks", "output_hooks", "pre_hooks"]
+
+_is_compiling = compiler.is_compiling  # True while torch traces a call into a graph
 
 #: The key of stopcock's hook in every module's ``_forward_pre_hooks``: an id taken from torch's
 #: own counter, so it never collides with a hook registered the usual way.
@@ -107,6 +113,10 @@ class _Published:
         attrs[name] = self.copy
 
     def hook(self, module: nn.Module, args: Any) -> None:
+        if _is_compiling():
+            # torch traces the hook into a compiled call (a module compiled in place), where a thread
+            # cannot be told apart: no check there, the next call outside the graph checks.
+            return
         me = threading.get_ident()
         for wire in self.wires:
             if wire.owner == me:
@@ -199,30 +209,58 @@ def pre_hooks(modules: Iterable[nn.Module], fn: Callable[[nn.Module], Any]) -> I
 def input_hooks(
     modules: Iterable[nn.Module], fn: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], Any]
 ) -> Iterator[None]:
-    """Call ``fn(module, args, kwargs)`` before each forward of each module, on this thread only."""
-    with _thread_hooks(modules, "register_forward_pre_hook", fn, with_kwargs=True):
+    """Call ``fn(module, args, kwargs)`` before each forward of each module, on this thread only
+    (what it returns is ignored)."""
+    with _thread_hooks(modules, fn, before=True):
         yield
 
 
 @contextmanager
-def _thread_hooks(
-    modules: Iterable[nn.Module], register: str, fn: Callable[..., Any], **options: Any
-) -> Iterator[None]:
-    """``fn``, hooked on each module by its ``register`` method, called on this thread only (what it
-    returns is the hook's result: None, or a forward hook's replacement output)."""
+def _thread_hooks(modules: Iterable[nn.Module], fn: Callable[..., Any], *, before: bool) -> Iterator[None]:
+    """``fn`` hooked on each module, called on this thread only: before each forward (``before``),
+    as ``fn(module, args, kwargs)``, its result ignored; or after it, as ``fn(module, output)``, a
+    result other than None replacing the output.
+
+    A module compiled in place (``module.compile()``) runs its hooks inside the compiled call, where
+    torch would trace ``fn`` into its graph: the thread check cannot be traced (an error with
+    ``fullgraph=True``; a graph break and a recompile of the model otherwise). Such a module gets
+    ``fn`` around its compiled call instead, for this thread (:func:`bound`), and its graph is not
+    touched."""
     owner = threading.get_ident()
 
-    def hook(*args: Any) -> Any:
-        return fn(*args) if threading.get_ident() == owner else None
+    def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if threading.get_ident() == owner:
+            fn(module, args, kwargs)
 
-    handles = []
-    try:
+    def hook(module: nn.Module, _args: Any, output: Any) -> Any:
+        return fn(module, output) if threading.get_ident() == owner else None
+
+    with ExitStack() as stack:
         for m in dict.fromkeys(modules):  # each module once, order kept
-            handles.append(getattr(m, register)(hook, **options))
+            if vars(m).get("_compiled_call_impl") is not None:
+                around = functools.partial(_around, m, fn, before)
+                stack.enter_context(bound(m, "_compiled_call_impl", around))
+            elif before:
+                stack.callback(m.register_forward_pre_hook(pre_hook, with_kwargs=True).remove)
+            else:
+                stack.callback(m.register_forward_hook(hook).remove)
         yield
-    finally:
-        for h in handles:
-            h.remove()
+
+
+def _around(
+    module: nn.Module, fn: Callable[..., Any], before: bool, compiled: Callable[..., Any]
+) -> Callable[..., Any]:
+    """``module``'s compiled call with ``fn`` before or after it, as :func:`_thread_hooks` calls it."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if before:
+            fn(module, args, kwargs)
+            return compiled(*args, **kwargs)
+        output = compiled(*args, **kwargs)
+        changed = fn(module, output)
+        return output if changed is None else changed
+
+    return call
 
 
 class _PerThread:
@@ -297,5 +335,5 @@ class _Binding:
 def output_hooks(modules: Iterable[nn.Module], fn: Callable[[nn.Module, Any], Any]) -> Iterator[None]:
     """Call ``fn(module, output)`` after each forward of each module, on this thread only; a value
     it returns other than None replaces the output."""
-    with _thread_hooks(modules, "register_forward_hook", lambda module, _args, output: fn(module, output)):
+    with _thread_hooks(modules, fn, before=False):
         yield

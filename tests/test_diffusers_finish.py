@@ -218,29 +218,6 @@ def test_the_users_callback_still_runs_in_the_fast_forwarded_steps(lcm):
     assert outcome.output.images[0].size == (64, 64)
 
 
-@pytest.mark.parametrize("mode", ["finish", "abort"])
-def test_a_run_does_not_recompile_a_model_compiled_in_place(mode):
-    """Until a stop, a run leaves the loop models' classes alone (the outputs a fast-forward would
-    answer from are recorded by a forward hook, which a compiled module call takes in its stride),
-    so a UNet compiled in place (``unet.compile()``) runs its compiled graph, with no recompile."""
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    try:
-        pipe = tiny.stable_diffusion_pipeline()
-        pipe.unet.compile(backend="eager")
-        kwargs = {"num_inference_steps": STEPS, "output_type": "np"}
-        expected = pipe("a cat", **kwargs, generator=torch.Generator().manual_seed(0)).images
-        graphs = counters["stats"]["unique_graphs"]
-        assert graphs >= 1  # the plain call compiled the UNet
-        outcome = stopcock.run(pipe, "a cat", **kwargs, generator=torch.Generator().manual_seed(0),
-                               stop=stopcock.StopSignal(), mode=mode)
-        assert counters["stats"]["unique_graphs"] == graphs
-        np.testing.assert_array_equal(outcome.output.images, expected)
-    finally:
-        torch._dynamo.reset()
-
-
 def test_a_fast_forward_with_model_cpu_offload(count_forwards):
     reference_pipe = tiny.lcm_pipeline()
     pipe = tiny.lcm_pipeline()
