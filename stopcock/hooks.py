@@ -223,9 +223,9 @@ def _thread_hooks(modules: Iterable[nn.Module], fn: Callable[..., Any], *, befor
 
     A module compiled in place (``module.compile()``) runs its hooks inside the compiled call, where
     torch would trace ``fn`` into its graph: the thread check cannot be traced (an error with
-    ``fullgraph=True``; a graph break and a recompile of the model otherwise). Such a module gets
-    ``fn`` around its compiled call instead, for this thread (:func:`bound`), and its graph is not
-    touched."""
+    ``fullgraph=True``; otherwise a graph break, and torch compiling the hook's frames). Such a
+    module gets ``fn`` around its compiled call instead, for this thread (:func:`bound`), and its
+    graph is not touched."""
     owner = threading.get_ident()
 
     def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
