@@ -98,6 +98,7 @@ class Config:
     check_calls: int
     fixed_calls: int  # rounds of the fixed-cost timing of a text call (an image call: a fifth of them)
     image_counted: int = 0  # rounds of instruction counts of the image table (0: none)
+    in_place_rounds: int = 2  # rounds of the in-place per-step timing of the image call
     counted_checks: int = 0  # calls a batch of the direct per-call costs counted in instructions (0: none)
 
 
@@ -122,6 +123,7 @@ FULL = Config(
     fixed_calls=1000,
     image_counted=4,
     counted_checks=1000,
+    in_place_rounds=60,
 )
 
 #: Costs timed as what a variant adds to a base call (paired batches, median), not on their own.
@@ -207,19 +209,23 @@ class Throughput:
         return model + (", text-generation pipeline" if self.kind == "pipeline" else "")
 
 
+def _image_arms(sd: Any, steps: int, measure: Callable[[Callable[[], object]], Any]) -> Arms:
+    """The five arms of an image table on the pipeline ``sd``, ``steps`` denoising steps a call."""
+
+    def denoise() -> dict[str, Any]:
+        return {"num_inference_steps": steps, "generator": torch.Generator().manual_seed(0)}
+
+    return _arms(sd, sd, ("a red fox",), denoise, lambda: {"callback_on_step_end": _interrupt_callback()},
+                 measure)
+
+
 def build_arms(table: Throughput, device: Device,
                measure: Callable[[Callable[[], object]], Any] | None = None) -> Arms:
     """The five arms of ``table``, on models built (or cached) in this process; each arm returns
     ``measure(call)`` (default: its wall-clock and CPU seconds, :func:`clocked`)."""
     measure = measure or (lambda call: clocked(call, device))
     if table.kind == "image":
-        sd = image_pipeline(device=device)
-
-        def denoise() -> dict[str, Any]:
-            return {"num_inference_steps": table.steps, "generator": torch.Generator().manual_seed(0)}
-
-        return _arms(sd, sd, ("a red fox",), denoise, lambda: {"callback_on_step_end": _interrupt_callback()},
-                     measure)
+        return _image_arms(image_pipeline(device=device), table.steps, measure)
     model, tokenizer = text_model(*table.shape, device=device)
     ids = prompt_ids(tokenizer, 16, device)
 
@@ -609,6 +615,54 @@ def fixed_costs(table: Table, what: str, plain: Callable[..., Any], args: tuple[
     return found
 
 
+def between_steps(table: Table, label: str, steps: int, rounds: int, device: Device) -> dict[str, float]:
+    """Seconds per denoising step that each arm adds, in place, to the plain call's host time between two
+    calls of the loop model (the tiny SD's UNet: guidance, ``scheduler.step``, the next call's inputs):
+    the gaps of a ``steps``-step call summed, less the plain call's in the same round, over the
+    ``steps - 1`` gaps; medians over ``rounds`` rounds of the five arms. Unlike the direct timings
+    (the same calls back to back, their code and data in the caches), this pays for what the
+    forward in between evicted: each check after a model call runs cold."""
+    sd = image_pipeline(device=device)
+    unet = sd.unet
+    marks: list[float] = []
+
+    def forward(*args: Any, **kwargs: Any) -> Any:  # the same in every arm: run's binding calls it too
+        device.sync()
+        marks.append(time.perf_counter())
+        try:
+            return type(unet).forward(unet, *args, **kwargs)
+        finally:
+            device.sync()
+            marks.append(time.perf_counter())
+
+    def gaps(call: Callable[[], object]) -> float:
+        marks.clear()
+        call()
+        ends, starts = marks[1:-1:2], marks[2::2]
+        if len(starts) != steps - 1:
+            raise RuntimeError(f"the UNet was called {len(marks) // 2} times in {steps} steps")
+        return sum(start - end for end, start in zip(ends, starts, strict=True))
+
+    arms = _image_arms(sd, steps, gaps)
+    unet.forward = forward
+    try:
+        with frozen_heap():
+            times = interleaved(arms, rounds, warmup=2)
+    finally:
+        del unet.forward
+    found = {PLAIN: median(times[PLAIN]) / (steps - 1)}
+    table.add(f"{label}: the plain call's own work between two UNet calls, in place (the anchor)",
+              f"{found[PLAIN] * 1e6:.1f}", "median", "every denoising step")
+    what = {AA: "the plain call again adds (A/A: the noise of this row)",
+            NATIVE: "diffusers' `callback_on_step_end` setting `_interrupt` adds",
+            FINISH: "`run`, mode=finish, adds", ABORT: "`run`, mode=abort, adds"}
+    for arm, text in what.items():
+        found[arm] = median([(a - p) / (steps - 1) for p, a in zip(times[PLAIN], times[arm], strict=True)])
+        table.add(f"{label}: what {text} between two UNet calls, in place", f"{found[arm] * 1e6:.1f}",
+                  "difference", "every denoising step")
+    return found
+
+
 # -- host-device synchronisations (CUDA) ----------------------------------------------------------------
 def count_syncs(fn: Callable[[], object]) -> int:
     """How many synchronising CUDA operations ``fn()`` makes (torch's sync debug mode)."""
@@ -720,6 +774,8 @@ def run(quick: bool = False, device: Device = CPU) -> Section:
         lambda: {"num_inference_steps": 2, "generator": torch.Generator().manual_seed(0)},
         max(2, config.fixed_calls // 5),
     )
+    data["in_place"] = between_steps(checks, f"{label}, {config.image_steps} steps", config.image_steps,
+                                     config.in_place_rounds, device)
     if device.cuda:
         data["syncs"][label] = sync_rows(
             syncs, label, 4, lambda n: build_arms(replace(spec, steps=n), device)
@@ -797,6 +853,14 @@ def run(quick: bool = False, device: Device = CPU) -> Section:
             f" is what it adds (median over {config.fixed_calls} rounds in balanced orders; an image call"
             " over a fifth of them). It is paid once per call, whatever its length: the implied-overhead"
             " table adds it to the per-token cost at the throughput tables' token counts.",
+            "In place: the host time between two UNet calls of the image call (the loop's own work per"
+            " step: guidance, `scheduler.step`, the next call's inputs), summed over a call and divided by"
+            f" its steps less one, medians over {config.in_place_rounds} rounds of the five arms in balanced"
+            " orders; each arm's figure is what it adds to the plain call in the same round (the A/A row is"
+            " the noise). The direct timings run the same calls back to back with their code and data in"
+            " the caches; here each check runs after a forward has evicted them, as in a real call, so it"
+            " costs several times more, for the native callback as for stopcock. Together with the fixed"
+            " cost this accounts for most of the image table's ratio.",
             "Host-device synchronisations are counted on CUDA only (`--device cuda`)." if not device.cuda
             else "A per-call constant (the row reasons read at the end of a run) cancels out of the"
             " per-step figure.",
@@ -956,6 +1020,14 @@ def _headline(data: dict[str, Any]) -> list[str]:
                               ("image", "tiny SD pipeline")) if key in f
         ) + "."
     )
+    g = data.get("in_place")
+    if g:
+        lines.append(
+            f"In place, between two UNet calls of the tiny SD call (each check runs just after a forward):"
+            f" `run` adds {g[FINISH] * 1e6:.1f} / {g[ABORT] * 1e6:.1f} µs per step (finish / abort),"
+            f" diffusers' `callback_on_step_end` {g[NATIVE] * 1e6:.1f} µs, the plain call again"
+            f" {g[AA] * 1e6:+.1f} µs (noise), beside the step's own {g[PLAIN] * 1e6:.0f} µs."
+        )
     for label, found in data["syncs"].items():
         added = ", ".join(f"{name.split('=')[-1]} {v['per_step']:+.2f}" for name, v in found.items()
                           if name in (FINISH, ABORT))

@@ -25,11 +25,12 @@ deleted from it, on the run's own thread once its forward is over. One stopcock 
 tripwire armed on a dict (a registry keyed by dict), so tripwires of concurrent runs never publish
 over each other.
 
-:func:`input_hooks` (before a forward, with its arguments) and :func:`output_hooks` (after a
-forward: diffusers' fast-forward records the loop models' outputs) are installed at once, act only
-on the thread that installed them and are removed when the ``with`` block exits (on a module
-compiled in place they wrap its compiled call instead); :func:`bound` replaces a method for this
-thread.
+:func:`input_hooks` (before a module call, with its arguments) and :func:`output_hooks` (after
+it: diffusers' fast-forward records the loop models' outputs) are installed at once, act only on
+the thread that installed them and are removed when the ``with`` block exits. They are not torch
+hooks but wrappers of the module's call for this thread (:func:`bound`), so the module keeps
+torch's fast path and a module compiled in place keeps its graph; :func:`bound` replaces a method
+for this thread.
 """
 
 from __future__ import annotations
@@ -217,50 +218,41 @@ def input_hooks(
 
 @contextmanager
 def _thread_hooks(modules: Iterable[nn.Module], fn: Callable[..., Any], *, before: bool) -> Iterator[None]:
-    """``fn`` hooked on each module, called on this thread only: before each forward (``before``),
-    as ``fn(module, args, kwargs)``, its result ignored; or after it, as ``fn(module, output)``, a
+    """``fn`` around each module's call, on this thread only: before it (``before``), as
+    ``fn(module, args, kwargs)``, its result ignored; or after it, as ``fn(module, output)``, a
     result other than None replacing the output.
 
-    A module compiled in place (``module.compile()``) runs its hooks inside the compiled call, where
-    torch would trace ``fn`` into its graph: the thread check cannot be traced (an error with
-    ``fullgraph=True``; otherwise a graph break, and torch compiling the hook's frames). Such a
-    module gets ``fn`` around its compiled call instead, for this thread (:func:`bound`), and its
-    graph is not touched."""
-    owner = threading.get_ident()
-
-    def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if threading.get_ident() == owner:
-            fn(module, args, kwargs)
-
-    def hook(module: nn.Module, _args: Any, output: Any) -> Any:
-        return fn(module, output) if threading.get_ident() == owner else None
-
+    Not a torch hook: a module with any hook takes torch's slow call path (about 12,000 instructions
+    a call against a few hundred), and a module compiled in place (``module.compile()``) runs its
+    hooks inside the compiled call, where torch would trace ``fn`` into its graph (the thread check
+    cannot be traced: an error with ``fullgraph=True``, else a graph break and recompiled hook
+    frames). The call itself is wrapped for this thread (:func:`bound`): ``_call_impl`` (the module's
+    hooks and forward), or the compiled call of a module compiled in place, whose graph is not touched."""
     with ExitStack() as stack:
         for m in dict.fromkeys(modules):  # each module once, order kept
-            if vars(m).get("_compiled_call_impl") is not None:
-                around = functools.partial(_around, m, fn, before)
-                stack.enter_context(bound(m, "_compiled_call_impl", around))
-            elif before:
-                stack.callback(m.register_forward_pre_hook(pre_hook, with_kwargs=True).remove)
-            else:
-                stack.callback(m.register_forward_hook(hook).remove)
+            call = "_compiled_call_impl" if vars(m).get("_compiled_call_impl") is not None else "_call_impl"
+            stack.enter_context(bound(m, call, functools.partial(_around, m, fn, before)))
         yield
 
 
 def _around(
-    module: nn.Module, fn: Callable[..., Any], before: bool, compiled: Callable[..., Any]
+    module: nn.Module, fn: Callable[..., Any], before: bool, call: Callable[..., Any]
 ) -> Callable[..., Any]:
-    """``module``'s compiled call with ``fn`` before or after it, as :func:`_thread_hooks` calls it."""
+    """``module``'s ``call`` with ``fn`` before or after it, as :func:`_thread_hooks` calls it."""
 
-    def call(*args: Any, **kwargs: Any) -> Any:
-        if before:
+    if before:
+        def called_before(*args: Any, **kwargs: Any) -> Any:
             fn(module, args, kwargs)
-            return compiled(*args, **kwargs)
-        output = compiled(*args, **kwargs)
+            return call(*args, **kwargs)
+
+        return called_before
+
+    def called_after(*args: Any, **kwargs: Any) -> Any:
+        output = call(*args, **kwargs)
         changed = fn(module, output)
         return output if changed is None else changed
 
-    return call
+    return called_after
 
 
 class _PerThread:

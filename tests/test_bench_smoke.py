@@ -115,6 +115,9 @@ def test_overhead_measures_stopcock_against_the_plain_call(sections):
             assert all(math.isfinite(a["ratio"]) and a["ratio"] > 0 for a in arms.values())
     assert data["checks"].keys() == {"step", "criterion", "block_hook"}
     assert data["implied"] and all(math.isfinite(v) for d in data["implied"].values() for v in d.values())
+    # the in-place timing ran every arm through its UNet calls (it raises if a call made too few)
+    assert data["in_place"].keys() == {PLAIN, AA, NATIVE, FINISH, ABORT}
+    assert data["in_place"][PLAIN] > 0 and all(math.isfinite(v) for v in data["in_place"].values())
 
 
 @pytest.mark.parametrize("name, scenario", [("latency", "image"), ("latency", "prefill"), ("blocks", None)])
