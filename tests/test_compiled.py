@@ -1,9 +1,10 @@
 """Models compiled with ``torch.compile`` run under stopcock as they run without it (tiny real pipelines).
 
 torch runs a module's hooks inside the compiled call when the module is compiled in place
-(``module.compile()``), and a hook's thread check cannot be traced into a graph: stopcock's hooks on
-such a model go around its compiled call instead (its graph is not touched, so nothing recompiles),
-and the abort check is a no-op inside a graph (the next check outside one lands the abort). The
+(``module.compile()``), and a hook's thread check cannot be traced into a graph: stopcock's hooks are
+wrappers of a module's call, around the compiled call of such a model (its graph is not touched, so
+nothing recompiles), and the abort check is a no-op inside a graph (the next check outside one lands
+the abort). The
 tests compile with ``fullgraph=True``, where anything torch could not trace would raise, and the
 "eager" backend (dynamo's tracing and guards, no code generation).
 """
@@ -100,23 +101,30 @@ class Layer(torch.nn.Module):  # a module of its own: torch's built-in ones are 
         return torch.relu(self.linear(x))
 
 
-def test_hooks_on_a_module_compiled_in_place_wrap_its_compiled_call_on_this_thread_only():
+@pytest.mark.parametrize("in_place", [False, True])
+def test_hooks_wrap_a_modules_call_on_this_thread_only_and_add_no_torch_hook(in_place):
+    """Not compiled: the module keeps torch's fast path (no hook of ours); compiled in place: the
+    wrapper goes around its compiled call, which stays the same object."""
     layer = Layer()
-    layer.compile(backend="eager", fullgraph=True)
-    compiled = vars(layer)["_compiled_call_impl"]
+    layer.register_forward_hook(lambda module, args, output: output + 1)  # the user's own hook
+    if in_place:
+        layer.compile(backend="eager", fullgraph=True)
+    compiled = vars(layer).get("_compiled_call_impl")
     x = torch.ones(1, 4)
     with torch.no_grad():
         expected = layer(x)
-        inputs, elsewhere = [], []
+        inputs, elsewhere, torch_hooks = [], [], []
         with input_hooks([layer], lambda module, args, kwargs: inputs.append((module, args))), \
                 output_hooks([layer], lambda module, output: output * 2):  # a replacement output
+            torch_hooks.append((len(layer._forward_pre_hooks), len(layer._forward_hooks)))
             doubled = layer(x)
             other = threading.Thread(target=lambda: elsewhere.append(layer(x)))
             other.start()
             other.join()
         after = layer(x)
-    torch.testing.assert_close(doubled, expected * 2)
+    assert torch_hooks == [(0, 1)]  # only the user's: no hook of ours sends the call down torch's slow path
+    torch.testing.assert_close(doubled, expected * 2)  # the wrapper sees the output after the user's hook
     assert len(inputs) == 1 and inputs[0][0] is layer and inputs[0][1][0] is x
-    torch.testing.assert_close(elsewhere[0], expected)  # another thread's call: no hook
-    assert vars(layer)["_compiled_call_impl"] is compiled
+    torch.testing.assert_close(elsewhere[0], expected)  # another thread's call: not wrapped
+    assert vars(layer).get("_compiled_call_impl") is compiled and "_call_impl" not in vars(layer)
     torch.testing.assert_close(after, expected)
