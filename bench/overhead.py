@@ -98,7 +98,7 @@ class Config:
     check_calls: int
     fixed_calls: int  # rounds of the fixed-cost timing of a text call (an image call: a fifth of them)
     image_counted: int = 0  # rounds of instruction counts of the image table (0: none)
-    in_place_rounds: int = 2  # rounds of the in-place per-step timing of the image call
+    in_place_rounds: int = 2  # rounds of the in-place timing (the smallest text model and the image call)
     counted_checks: int = 0  # calls a batch of the direct per-call costs counted in instructions (0: none)
 
 
@@ -615,16 +615,27 @@ def fixed_costs(table: Table, what: str, plain: Callable[..., Any], args: tuple[
     return found
 
 
-def between_steps(table: Table, label: str, steps: int, rounds: int, device: Device) -> dict[str, float]:
-    """Seconds per denoising step that each arm adds, in place, to the plain call's host time between two
-    calls of the loop model (the tiny SD's UNet: guidance, ``scheduler.step``, the next call's inputs):
-    the gaps of a ``steps``-step call summed, less the plain call's in the same round, over the
-    ``steps - 1`` gaps; medians over ``rounds`` rounds of the five arms. Unlike the direct timings
-    (the same calls back to back, their code and data in the caches), this pays for what the
-    forward in between evicted: each check after a model call runs cold."""
-    sd = image_pipeline(device=device)
-    unet = sd.unet
-    inner = unet.forward
+#: How the in-place rows name what each arm adds to the plain call.
+_IN_PLACE_ARMS = {
+    AA: "the plain call again adds (A/A: the noise of this row)",
+    NATIVE: "the native stop adds",
+    FINISH: "`run`, mode=finish, adds",
+    ABORT: "`run`, mode=abort, adds",
+}
+
+
+def in_place(table: Table, spec: Throughput, rounds: int, device: Device) -> dict[str, dict[str, float]]:
+    """Seconds each arm adds, in place, to the plain call's host time around its loop model (the tiny
+    SD's UNet, the GPT-2): ``"step"``, per gap between two of its calls (guidance, ``scheduler.step``,
+    the next call's inputs; a token's logits processing and criteria), the gaps of a call summed over
+    the ``steps - 1`` gaps; ``"fixed"``, before its first call and after its last (setting up, the
+    text encoder and VAE, the Outcome), once a call. Medians over ``rounds`` rounds of the five arms,
+    less the plain call's figure in the same round (the plain call's row is its own figure). Unlike the
+    direct timings (the same calls back to back, their code and data in the caches), this pays for what
+    the forward in between evicted: each check after a model call runs cold."""
+    sd = image_pipeline(device=device) if spec.kind == "image" else None
+    model: torch.nn.Module = sd.unet if sd is not None else text_model(*spec.shape, device=device)[0]
+    inner = model.forward
     marks: list[float] = []
 
     def forward(*args: Any, **kwargs: Any) -> Any:  # the same in every arm: run's binding calls it too
@@ -636,31 +647,43 @@ def between_steps(table: Table, label: str, steps: int, rounds: int, device: Dev
             device.sync()
             marks.append(time.perf_counter())
 
-    def gaps(call: Callable[[], object]) -> float:
+    def around(call: Callable[[], object]) -> tuple[float, float]:
         marks.clear()
+        start = time.perf_counter()
         call()
+        device.sync()
+        end = time.perf_counter()
         ends, starts = marks[1:-1:2], marks[2::2]
-        if len(starts) != steps - 1:
-            raise RuntimeError(f"the UNet was called {len(marks) // 2} times in {steps} steps")
-        return sum(start - end for end, start in zip(ends, starts, strict=True))
+        if len(starts) != spec.steps - 1:
+            raise RuntimeError(f"the loop model was called {len(marks) // 2} times in {spec.steps} steps")
+        return sum(s - e for e, s in zip(ends, starts, strict=True)), (marks[0] - start) + (end - marks[-1])
 
-    arms = _image_arms(sd, steps, gaps)
-    unet.forward = forward
+    arms = _image_arms(sd, spec.steps, around) if sd is not None else build_arms(spec, device, around)
+    model.forward = forward  # type: ignore[method-assign]
     try:
         with frozen_heap():
             times = interleaved(arms, rounds, warmup=2)
     finally:
-        del unet.forward
-    found = {PLAIN: median(times[PLAIN]) / (steps - 1)}
-    table.add(f"{label}: the plain call's own work between two UNet calls, in place (the anchor)",
-              f"{found[PLAIN] * 1e6:.1f}", "median", "every denoising step")
-    what = {AA: "the plain call again adds (A/A: the noise of this row)",
-            NATIVE: "diffusers' `callback_on_step_end` setting `_interrupt` adds",
-            FINISH: "`run`, mode=finish, adds", ABORT: "`run`, mode=abort, adds"}
-    for arm, text in what.items():
-        found[arm] = median([(a - p) / (steps - 1) for p, a in zip(times[PLAIN], times[arm], strict=True)])
-        table.add(f"{label}: what {text} between two UNet calls, in place", f"{found[arm] * 1e6:.1f}",
-                  "difference", "every denoising step")
+        del model.forward
+    unit = "denoising step" if spec.kind == "image" else "token"
+    gaps = spec.steps - 1
+    plain = times[PLAIN]
+    found = {"step": {PLAIN: median([g for g, _ in plain]) / gaps},
+             "fixed": {PLAIN: median([f for _, f in plain])}}
+    for arm in _IN_PLACE_ARMS:
+        found["step"][arm] = median([(a[0] - p[0]) / gaps for p, a in zip(plain, times[arm], strict=True)])
+        found["fixed"][arm] = median([a[1] - p[1] for p, a in zip(plain, times[arm], strict=True)])
+    what = f"{spec.label}, {spec.steps} {unit}s"
+    table.add(f"{what}: the plain call's own work between two model calls, in place (the anchor)",
+              f"{found['step'][PLAIN] * 1e6:.1f}", "median", f"every {unit}")
+    for arm, text in _IN_PLACE_ARMS.items():
+        table.add(f"{what}: what {text} between two model calls, in place", f"{found['step'][arm] * 1e6:.1f}",
+                  "difference", f"every {unit}")
+    table.add(f"{what}: the plain call's own work before the model's first call and after its last, in place"
+              " (the anchor)", f"{found['fixed'][PLAIN] * 1e6:.1f}", "median", "every call")
+    for arm in (FINISH, ABORT):
+        table.add(f"{what}: what {_IN_PLACE_ARMS[arm]} before the model's first call and after its last, in"
+                  " place", f"{found['fixed'][arm] * 1e6:.1f}", "difference", "every call")
     return found
 
 
@@ -775,8 +798,11 @@ def run(quick: bool = False, device: Device = CPU) -> Section:
         lambda: {"num_inference_steps": 2, "generator": torch.Generator().manual_seed(0)},
         max(2, config.fixed_calls // 5),
     )
-    data["in_place"] = between_steps(checks, f"{label}, {config.image_steps} steps", config.image_steps,
-                                     config.in_place_rounds, device)
+    data["in_place"] = {
+        where.label: in_place(checks, where, config.in_place_rounds, device)
+        for where in (Throughput("generate", first.new_tokens, first.shape),
+                      Throughput("pipeline", first.new_tokens, first.shape), spec)
+    }
     if device.cuda:
         data["syncs"][label] = sync_rows(
             syncs, label, 4, lambda n: build_arms(replace(spec, steps=n), device)
@@ -854,14 +880,16 @@ def run(quick: bool = False, device: Device = CPU) -> Section:
             f" is what it adds (median over {config.fixed_calls} rounds in balanced orders; an image call"
             " over a fifth of them). It is paid once per call, whatever its length: the implied-overhead"
             " table adds it to the per-token cost at the throughput tables' token counts.",
-            "In place: the host time between two UNet calls of the image call (the loop's own work per"
-            " step: guidance, `scheduler.step`, the next call's inputs), summed over a call and divided by"
-            f" its steps less one, medians over {config.in_place_rounds} rounds of the five arms in balanced"
+            "In place: the host time around the loop model's calls (the tiny SD's UNet, the GPT-2 of the"
+            " smallest text table): between two of its calls (the loop's own work per step or token:"
+            " guidance, `scheduler.step`, the next call's inputs; logits processing and criteria), summed"
+            " over a call and divided by its steps less one, and before its first call and after its last"
+            f" (once a call); medians over {config.in_place_rounds} rounds of the five arms in balanced"
             " orders; each arm's figure is what it adds to the plain call in the same round (the A/A row is"
             " the noise). The direct timings run the same calls back to back with their code and data in"
             " the caches; here each check runs after a forward has evicted them, as in a real call, so it"
-            " costs several times more, for the native callback as for stopcock. Together with the fixed"
-            " cost this accounts for most of the image table's ratio.",
+            " costs more, for the native stop as for stopcock: these rows show where a throughput table's"
+            " time goes.",
             "Host-device synchronisations are counted on CUDA only (`--device cuda`)." if not device.cuda
             else "A per-call constant (the row reasons read at the end of a run) cancels out of the"
             " per-step figure.",
@@ -1021,13 +1049,15 @@ def _headline(data: dict[str, Any]) -> list[str]:
                               ("image", "tiny SD pipeline")) if key in f
         ) + "."
     )
-    g = data.get("in_place")
-    if g:
+    for label, g in data.get("in_place", {}).items():
+        unit = "token" if label.startswith("GPT-2") else "step"
+        step, fixed = g["step"], g["fixed"]
         lines.append(
-            f"In place, between two UNet calls of the tiny SD call (each check runs just after a forward):"
-            f" `run` adds {g[FINISH] * 1e6:.1f} / {g[ABORT] * 1e6:.1f} µs per step (finish / abort),"
-            f" diffusers' `callback_on_step_end` {g[NATIVE] * 1e6:.1f} µs, the plain call again"
-            f" {g[AA] * 1e6:+.1f} µs (noise), beside the step's own {g[PLAIN] * 1e6:.0f} µs."
+            f"In place, {label} (each check runs just after a forward): `run` adds"
+            f" {step[FINISH] * 1e6:.1f} / {step[ABORT] * 1e6:.1f} µs per {unit} (finish / abort), the"
+            f" native stop {step[NATIVE] * 1e6:.1f} µs, the plain call again {step[AA] * 1e6:+.1f} µs"
+            f" (noise), beside the {unit}'s own {step[PLAIN] * 1e6:.0f} µs; and {fixed[FINISH] * 1e6:.0f} /"
+            f" {fixed[ABORT] * 1e6:.0f} µs a call before the model's first call and after its last."
         )
     for label, found in data["syncs"].items():
         added = ", ".join(f"{name.split('=')[-1]} {v['per_step']:+.2f}" for name, v in found.items()
