@@ -674,16 +674,13 @@ def in_place(table: Table, spec: Throughput, rounds: int, device: Device) -> dic
         found["step"][arm] = median([(a[0] - p[0]) / gaps for p, a in zip(plain, times[arm], strict=True)])
         found["fixed"][arm] = median([a[1] - p[1] for p, a in zip(plain, times[arm], strict=True)])
     what = f"{spec.label}, {spec.steps} {unit}s"
-    table.add(f"{what}: the plain call's own work between two model calls, in place (the anchor)",
-              f"{found['step'][PLAIN] * 1e6:.1f}", "median", f"every {unit}")
-    for arm, text in _IN_PLACE_ARMS.items():
-        table.add(f"{what}: what {text} between two model calls, in place", f"{found['step'][arm] * 1e6:.1f}",
-                  "difference", f"every {unit}")
-    table.add(f"{what}: the plain call's own work before the model's first call and after its last, in place"
-              " (the anchor)", f"{found['fixed'][PLAIN] * 1e6:.1f}", "median", "every call")
-    for arm in (FINISH, ABORT):
-        table.add(f"{what}: what {_IN_PLACE_ARMS[arm]} before the model's first call and after its last, in"
-                  " place", f"{found['fixed'][arm] * 1e6:.1f}", "difference", "every call")
+    for key, where, paid in (("step", "between two model calls", f"every {unit}"),
+                             ("fixed", "before the model's first call and after its last", "every call")):
+        table.add(f"{what}: the plain call's own work {where}, in place (the anchor)",
+                  f"{found[key][PLAIN] * 1e6:.1f}", "median", paid)
+        for arm, text in _IN_PLACE_ARMS.items():
+            table.add(f"{what}: what {text} {where}, in place", f"{found[key][arm] * 1e6:.1f}", "difference",
+                      paid)
     return found
 
 
