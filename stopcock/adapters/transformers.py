@@ -35,7 +35,7 @@ import inspect
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from types import TracebackType
 from typing import Any
 
@@ -336,10 +336,12 @@ def _make_criteria(control: RunControl, tokenizer: Any) -> _RunCriteria:
             "stop_strings(...) needs the model's tokenizer: pass tokenizer=... (to stopcock.run with a model,"
             " or to stopcock.stopping_criteria), or run a text-generation pipeline, which has one"
         )
+    if not strings:  # the tokenizer's pad id is for rows that stop strings end (see configure)
+        return _RunCriteria(control)
     pad = getattr(tokenizer, "pad_token_id", None)
     return _RunCriteria(
         control,
-        StopStringCriteria(tokenizer, strings) if strings else None,
+        StopStringCriteria(tokenizer, strings),
         pad_token_id=pad if pad is not None else getattr(tokenizer, "eos_token_id", None),
     )
 
@@ -558,9 +560,16 @@ def generates(pipe: Pipeline) -> bool:
     )
 
 
+def _submodule(module: Any, name: str) -> torch.nn.Module | None:
+    """``module.<name>`` if it is a submodule, else None, read from ``_modules`` (where a module keeps
+    every module assigned to it): through torch's ``__getattr__``, a miss raises and catches an
+    AttributeError on every run of a model that lacks it."""
+    return module._modules.get(name) if isinstance(module, torch.nn.Module) else None
+
+
 def _stop_head(model: Any) -> torch.nn.Module | None:
     """The stop-probability head that ends a ``generate`` running its own loop (SpeechT5's ``prob_out``)."""
-    head = getattr(getattr(model, "speech_decoder_postnet", None), "prob_out", None)
+    head = _submodule(_submodule(model, "speech_decoder_postnet"), "prob_out")
     return head if isinstance(head, torch.nn.Module) else None
 
 
@@ -590,29 +599,30 @@ class _PipelineRun:
         self.plain = False  # the model's generate is transformers' own (read before it is bound)
         self.notes: list[str] = []
         self.cut_texts: list[str] = []  # the text so far of each row of a generate call a stop cut short
+        self.head: torch.nn.Module | None = None  # the model's stop-probability head (SpeechT5)
+        self.delayed: Any = None  # what builds the model's delay pattern (MusicGen)
         if not generates(pipe):
             refuse_row_conditions(control.condition, f"a {type(pipe).__name__}")
             return
+        self.head, self.delayed = _stop_head(self.model), self._delaying(self.model)
         text_out = "text" in (getattr(self.model, "output_modalities", None) or ())
-        if not text_out or _stop_head(self.model) is not None:
+        if not text_out or self.head is not None:
             refuse_row_conditions(control.condition, f"a {type(pipe).__name__}, whose model makes no text")
         self.criteria = _make_criteria(control, pipe.tokenizer)
         _users(kwargs.get("stopping_criteria"))  # a wrong type fails before the run
         self.plain = _plain_generate(self.model)
 
-    @contextmanager
-    def bound(self) -> Iterator[None]:
-        """For the run, the model's generate takes the criterion (on this thread only), which may
-        wait to be armed (see the module docstring)."""
+    def arming(self) -> AbstractContextManager[None]:
+        """For the run, the criterion may wait to be armed (see the module docstring)."""
         criteria = self.criteria
-        if criteria is None:
-            yield
-            return
-        with ExitStack() as stack:
-            if self.plain and criteria.can_wait:
-                stack.enter_context(self.control.arming(criteria))
-            stack.enter_context(bound(self.model, "generate", self._wrap))
-            yield
+        if criteria is not None and self.plain and criteria.can_wait:
+            return self.control.arming(criteria)
+        return nullcontext()
+
+    def bound(self) -> AbstractContextManager[None]:
+        """For the run, the model's generate takes the criterion (on this thread only); enter
+        :meth:`arming` first."""
+        return nullcontext() if self.criteria is None else bound(self.model, "generate", self._wrap)
 
     def _wrap(self, generate: Callable[..., Any]) -> Callable[..., Any]:
         def with_criteria(*args: Any, **kwargs: Any) -> Any:
@@ -623,16 +633,15 @@ class _PipelineRun:
             settings = _Settings(kwargs, self.model)
             prompt_len = prompt.shape[-1] if _decoder_only(self.model) and prompt is not None else None
             _configure(criteria, settings, prompt_len)
-            head = _stop_head(self.model)
-            if head is None and criteria.limit is not None and self.calls is not None:
-                self.control.total = criteria.limit * self.calls
-            with ExitStack() as stack:
-                if head is not None:
-                    stack.enter_context(self._own_loop(head, settings))
-                else:
-                    stack.enter_context(_TakingPart(criteria, self.model, kwargs, plain=self.plain))
-                    stack.enter_context(self._delay_pattern())
-                result = generate(*args, **kwargs)
+            head = self.head
+            if head is not None:
+                with self._own_loop(head, settings):
+                    result = generate(*args, **kwargs)
+            else:
+                if criteria.limit is not None and self.calls is not None:
+                    self.control.total = criteria.limit * self.calls
+                with _TakingPart(criteria, self.model, kwargs, plain=self.plain), self._delay_pattern():
+                    result = generate(*args, **kwargs)
             criteria.returned(result)
             if criteria.last_ids is None:
                 self._note(f"{type(self.model).__name__}.generate ran no stopping criterion: stopped between"
@@ -686,13 +695,20 @@ class _PipelineRun:
             yield
         criteria.last_ids = torch.zeros(1, criteria.new)  # the steps made, for the next call's count
 
+    @staticmethod
+    def _delaying(model: Any) -> Any:
+        """The model (or its decoder) that builds MusicGen's delay pattern (see :meth:`_delay_pattern`)."""
+        for candidate in (model, _submodule(model, "decoder")):
+            if hasattr(type(candidate), "build_delay_pattern_mask"):
+                return candidate
+        return None
+
     def _delay_pattern(self) -> AbstractContextManager[None]:
         """MusicGen's delay pattern offsets codebook k by k steps, and its mask, built for the full
         length, pads each codebook's tail there; its own ending raises on a shorter output. When a
         stop ends it early, the mask MusicGen keeps for that call gets the same tail padding at the
         length reached, so the output holds the frames that are complete in every codebook."""
-        candidates = (self.model, getattr(self.model, "decoder", None))
-        decoder: Any = next((m for m in candidates if hasattr(m, "build_delay_pattern_mask")), None)
+        decoder = self.delayed
         return nullcontext() if decoder is None else self._padding_codebooks(decoder)
 
     @contextmanager
@@ -780,7 +796,7 @@ def _run_pipeline(
     results: list[Any] = []
 
     def go() -> None:
-        with run.bound():
+        with run.arming(), run.bound():
             if many is None:
                 results.extend(run.answered([pipe(*args, **kwargs)]))
                 if criteria is None:
