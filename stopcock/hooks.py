@@ -40,7 +40,7 @@ import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
 from torch import compiler, nn
@@ -206,18 +206,15 @@ def pre_hooks(modules: Iterable[nn.Module], fn: Callable[[nn.Module], Any]) -> I
         yield
 
 
-@contextmanager
 def input_hooks(
     modules: Iterable[nn.Module], fn: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], Any]
-) -> Iterator[None]:
+) -> AbstractContextManager[None]:
     """Call ``fn(module, args, kwargs)`` before each forward of each module, on this thread only
     (what it returns is ignored)."""
-    with _thread_hooks(modules, fn, before=True):
-        yield
+    return _ThreadHooks(modules, fn, before=True)
 
 
-@contextmanager
-def _thread_hooks(modules: Iterable[nn.Module], fn: Callable[..., Any], *, before: bool) -> Iterator[None]:
+class _ThreadHooks:
     """``fn`` around each module's call, on this thread only: before it (``before``), as
     ``fn(module, args, kwargs)``, its result ignored; or after it, as ``fn(module, output)``, a
     result other than None replacing the output.
@@ -227,18 +224,33 @@ def _thread_hooks(modules: Iterable[nn.Module], fn: Callable[..., Any], *, befor
     hooks inside the compiled call, where torch would trace ``fn`` into its graph (the thread check
     cannot be traced: an error with ``fullgraph=True``, else a graph break and recompiled hook
     frames). The call itself is wrapped for this thread (:func:`bound`): ``_call_impl`` (the module's
-    hooks and forward), or the compiled call of a module compiled in place, whose graph is not touched."""
-    with ExitStack() as stack:
-        for m in dict.fromkeys(modules):  # each module once, order kept
-            call = "_compiled_call_impl" if vars(m).get("_compiled_call_impl") is not None else "_call_impl"
-            stack.enter_context(bound(m, call, functools.partial(_around, m, fn, before)))
-        yield
+    hooks and forward), or the compiled call of a module compiled in place, whose graph is not touched.
+    A class rather than a generator: every diffusers run enters two."""
+
+    __slots__ = ("_before", "_fn", "_modules", "_stack")
+
+    def __init__(self, modules: Iterable[nn.Module], fn: Callable[..., Any], *, before: bool) -> None:
+        self._modules, self._fn, self._before = modules, fn, before
+
+    def __enter__(self) -> None:
+        self._stack = stack = ExitStack()
+        try:
+            for m in dict.fromkeys(self._modules):  # each module once, order kept
+                compiled = vars(m).get("_compiled_call_impl") is not None
+                call = "_compiled_call_impl" if compiled else "_call_impl"
+                stack.enter_context(bound(m, call, functools.partial(_around, m, self._fn, self._before)))
+        except BaseException:  # the bindings made so far come off, and the error goes on
+            stack.close()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
 
 
 def _around(
     module: nn.Module, fn: Callable[..., Any], before: bool, call: Callable[..., Any]
 ) -> Callable[..., Any]:
-    """``module``'s ``call`` with ``fn`` before or after it, as :func:`_thread_hooks` calls it."""
+    """``module``'s ``call`` with ``fn`` before or after it, as :class:`_ThreadHooks` calls it."""
 
     if before:
         def called_before(*args: Any, **kwargs: Any) -> Any:
@@ -323,9 +335,9 @@ class _Binding:
                         object.__setattr__(obj, name, patch.own)
 
 
-@contextmanager
-def output_hooks(modules: Iterable[nn.Module], fn: Callable[[nn.Module, Any], Any]) -> Iterator[None]:
+def output_hooks(
+    modules: Iterable[nn.Module], fn: Callable[[nn.Module, Any], Any]
+) -> AbstractContextManager[None]:
     """Call ``fn(module, output)`` after each forward of each module, on this thread only; a value
     it returns other than None replaces the output."""
-    with _thread_hooks(modules, fn, before=False):
-        yield
+    return _ThreadHooks(modules, fn, before=False)

@@ -195,8 +195,7 @@ class _SchedulerMethod:
         # The bound method (or an outer wrapper of it).
         self.original = getattr(scheduler, self.method) if original is None else original
         # Pipelines inspect the parameters (step's generator= and eta=, set_timesteps' timesteps=).
-        self.__signature__ = _signature(self.original)
-        self._positional = _positional_names(self.__signature__)
+        self.__signature__, self._positional = _signature(self.original)
         self.owner = threading.get_ident()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
@@ -267,19 +266,22 @@ class _Stage:
 _NOTHING = object()
 
 
-def _signature(step: Any) -> inspect.Signature:
-    """``inspect.signature(step)``; a bound method's is read once per function (the same for every
-    instance), as every run wraps each scheduler's step afresh."""
+def _signature(step: Any) -> tuple[inspect.Signature, tuple[str, ...]]:
+    """``inspect.signature(step)`` and its :func:`_positional_names`; a bound method's are read once per
+    function (the same for every instance), as every run wraps each scheduler's step afresh."""
     func = getattr(step, "__func__", None)
     if func is None or getattr(step, "__self__", None) is None:
-        return inspect.signature(step)
+        signature = inspect.signature(step)
+        return signature, _positional_names(signature)
     found = _step_signatures.get(func)
     if found is None:
-        found = _step_signatures[func] = inspect.signature(step)
+        signature = inspect.signature(step)
+        found = _step_signatures[func] = signature, _positional_names(signature)
     return found
 
 
-_step_signatures: dict[Any, inspect.Signature] = {}  # a step function -> its signature as a bound method
+#: a step function -> its signature as a bound method, and its positional names
+_step_signatures: dict[Any, tuple[inspect.Signature, tuple[str, ...]]] = {}
 
 
 def _positional_names(signature: inspect.Signature) -> tuple[str, ...]:
@@ -381,8 +383,9 @@ class _Binding:
     def schedulers(self) -> list[Any]:
         return list({id(c): c for c in self._components.values() if isinstance(c, SchedulerMixin)}.values())
 
+    @functools.cached_property
     def stages(self) -> dict[str, Any]:
-        """A combined pipeline's stages: its attributes that are pipelines (``prior_pipe``, ...)."""
+        """A combined pipeline's stages, read once a run: its attributes that are pipelines."""
         return {name: v for name, v in vars(self.pipe).items() if isinstance(v, DiffusionPipeline)}
 
     # install / remove
@@ -401,10 +404,10 @@ class _Binding:
                 for method in (_StepWrapper, _LoopStart):
                     if hasattr(scheduler, method.method):  # ScoreSdeVe's has step_pred/step_correct
                         wrapper = method(scheduler, self)
-                        self._stack.enter_context(_replaced(scheduler, method.method, wrapper))
+                        self._stack.enter_context(_Replaced(scheduler, method.method, wrapper))
             self._stack.callback(self._unwrap_copies)
-            for name, stage in self.stages().items():
-                self._stack.enter_context(_replaced(self.pipe, name, _Stage(stage, self)))
+            for name, stage in self.stages.items():
+                self._stack.enter_context(_Replaced(self.pipe, name, _Stage(stage, self)))
             self._stack.enter_context(self.models.recording())
             self._stack.callback(self.models.release)
             self._stack.enter_context(self._untimed_watch)  # closed at the first scheduler step
@@ -739,19 +742,25 @@ class _Binding:
         )
 
 
-@contextmanager
-def _replaced(obj: Any, name: str, value: Any) -> Iterator[None]:
-    """``obj.name`` is ``value`` (an instance attribute) for the ``with`` block, then what it was."""
-    had_own = name in vars(obj)
-    previous = vars(obj).get(name)
-    vars(obj)[name] = value
-    try:
-        yield
-    finally:
-        if had_own:
-            vars(obj)[name] = previous
+class _Replaced:
+    """``obj.name`` is ``value`` (an instance attribute) for the ``with`` block, then what it was.
+    A class rather than a generator: every run enters one per scheduler method."""
+
+    __slots__ = ("_had_own", "_name", "_obj", "_previous", "_value")
+
+    def __init__(self, obj: Any, name: str, value: Any) -> None:
+        self._obj, self._name, self._value = obj, name, value
+
+    def __enter__(self) -> None:
+        own = vars(self._obj)
+        self._had_own, self._previous = self._name in own, own.get(self._name)
+        own[self._name] = self._value
+
+    def __exit__(self, *exc: object) -> None:
+        if self._had_own:
+            vars(self._obj)[self._name] = self._previous
         else:
-            vars(obj).pop(name, None)
+            vars(self._obj).pop(self._name, None)
 
 
 def _free_model_hooks(pipe: Any) -> None:
@@ -816,7 +825,7 @@ class DiffusersAdapter:
         """Behind ``stopcock.run(pipe, ...)`` for diffusers pipelines (``partial=``, ``stage=``)."""
         _reject_generate_args(target, kwargs)
         binding = _Binding(target, control, options.get("partial"), options.get("stage"))
-        if len(binding.schedulers()) == 1 and not binding.stages():  # stages add up as each one starts
+        if len(binding.schedulers()) == 1 and not binding.stages:  # stages add up as each one starts
             control.total = _planned_steps(kwargs)
         output = None
         with binding:
