@@ -23,6 +23,7 @@ import ctypes
 import gc
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -52,10 +53,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @dataclass
 class Counted:
-    """A table's counts: per arm, the instructions of each of its calls; and the share of the plain
-    call's instructions executed in AVX2 code (see :func:`avx2_share`)."""
+    """A table's counts: per arm, the instructions of each of its calls, and those of them in the
+    memory allocators (see :func:`in_allocators`); and the share of the plain call's instructions
+    executed in AVX2 code (see :func:`avx2_share`)."""
 
     counts: dict[str, list[int]]
+    allocators: dict[str, list[int]]
     avx2_share: float
 
 
@@ -130,6 +133,21 @@ def self_costs(dump_text: str) -> dict[str, int]:
             elif len(parts) > 1:
                 costs[current] = costs.get(current, 0) + int(parts[1])
     return costs
+
+
+#: The memory allocators' own functions: the C library's malloc and CPython's pymalloc. What they
+#: execute depends on the heap's state (which free list a block comes from, when chunks are merged),
+#: not only on the call: most of what the same call's count varies by from one round to the next.
+ALLOCATORS = re.compile(
+    r"(__libc_)?(malloc|free|calloc|realloc|memalign|posix_memalign)|_int_(malloc|free|realloc|memalign)"
+    r"|malloc_consolidate|unlink_chunk.*|_mid_memalign.*|sysmalloc.*|tcache_.*"
+    r"|_?PyObject_(Malloc|Free|Realloc|Calloc)"
+)
+
+
+def in_allocators(costs: dict[str, int]) -> int:
+    """The instructions of ``costs`` (:func:`self_costs`) executed in the :data:`ALLOCATORS`."""
+    return sum(n for name, n in costs.items() if ALLOCATORS.fullmatch(name))
 
 
 def avx2_share(dump: Path) -> float:
@@ -235,6 +253,8 @@ def _counted_share(spec: str, rounds: int, warmup: int, callgrind: Callgrind) ->
             counted = interleaved(arms, rounds, warmup=0)
     return Counted(
         counts={name: [read_total(dump) for dump in made] for name, made in counted.items()},
+        allocators={name: [in_allocators(self_costs(dump.read_text())) for dump in made]
+                    for name, made in counted.items()},
         avx2_share=avx2_share(counted[PLAIN][-1]),
     )
 

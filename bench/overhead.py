@@ -352,24 +352,35 @@ def compare(table: Table, spec: Throughput, device: Device, target: float, round
 
 
 # -- the instruction counts ---------------------------------------------------------------------------------
-def counted_rows(table: Table, spec: Throughput, counts: dict[str, list[int]]) -> dict[str, Any]:
+def _paired(plain: list[int], values: list[int]) -> dict[str, Any]:
+    """The plain call's count over an arm's in the same round (median, 95% CI, middle half), and what
+    the arm adds (median difference in the same round)."""
+    ratios = [p / a for p, a in zip(plain, values, strict=True)]
+    return {"ratio": median(ratios), "ci": median_ci(ratios),
+            "middle": (quantile(ratios, 0.25), quantile(ratios, 0.75)),
+            "added": median([a - p for p, a in zip(plain, values, strict=True)])}
+
+
+def counted_rows(table: Table, spec: Throughput, counted: instructions.Counted) -> dict[str, Any]:
     """One row per arm of ``spec``'s instruction counts (see :mod:`bench.instructions`): the median
-    count, the plain call's count over the arm's in the same round (median, 95% CI), and what the
-    arm adds to the plain call (median difference in the same round)."""
+    count, :func:`_paired` on the whole counts, and again on the counts less their instructions in the
+    memory allocators (``"lean"``), whose paths vary with the heap's state more than with the call."""
     out: dict[str, Any] = {}
-    plain = counts[PLAIN]
+    counts = counted.counts
+    lean = {name: [n - a for n, a in zip(values, counted.allocators[name], strict=True)]
+            for name, values in counts.items()}
     for name, values in counts.items():
-        ratios = [p / a for p, a in zip(plain, values, strict=True)]
-        found = {
-            "ratio": median(ratios), "ci": median_ci(ratios), "instructions": median(values),
-            "added": median([a - p for p, a in zip(plain, values, strict=True)]),
-        }
+        found = {**_paired(counts[PLAIN], values), "instructions": median(values),
+                 "lean": _paired(lean[PLAIN], lean[name])}
         out[name] = found
+        slim = found["lean"]
         table.add(
             spec.label, name, f"{found['instructions'] / 1e6:,.2f}",
             f"{found['ratio']:.5f} [{found['ci'][0]:.5f}, {found['ci'][1]:.5f}]",
-            f"{quantile(ratios, 0.25):.5f} to {quantile(ratios, 0.75):.5f}",
+            f"{found['middle'][0]:.5f} to {found['middle'][1]:.5f}",
             "" if name == PLAIN else f"{found['added'] / 1e3:+,.0f}",
+            f"{slim['ratio']:.5f} [{slim['ci'][0]:.5f}, {slim['ci'][1]:.5f}]",
+            "" if name == PLAIN else f"{slim['added'] / 1e3:+,.0f}",
         )
     return out
 
@@ -394,7 +405,7 @@ def count_instructions(table: Table, config: Config, device: Device) -> dict[str
     for (spec, target, rounds), (counted, seconds) in zip(
         jobs, instructions.count_tables([(spec, rounds) for spec, _, rounds in jobs]), strict=True
     ):
-        out[spec.label] = {"arms": counted_rows(table, spec, counted.counts), "target": target,
+        out[spec.label] = {"arms": counted_rows(table, spec, counted), "target": target,
                            "rounds": rounds, "seconds": seconds, "avx2_share": counted.avx2_share}
     return out
 
@@ -807,7 +818,8 @@ def run(quick: bool = False, device: Device = CPU) -> Section:
     counted = Table(
         "Work per call: instructions, counted under valgrind's callgrind",
         ["model", "call", "instructions (millions, median)", "instruction ratio to plain [95% CI]",
-         "middle half of the rounds", "added to the plain call (thousands, median)"],
+         "middle half of the rounds", "added to the plain call (thousands, median)",
+         "ratio without the allocators [95% CI]", "added without the allocators (thousands)"],
     )
     data["counted"] = count_instructions(counted, config, device)
     counted_checks = Table("Cost of one call, counted in instructions (callgrind)",
@@ -934,12 +946,17 @@ _COUNTED_NOTE = (
     " callgrind's zero and dump requests. The ratio is the plain call's count over the arm's in the"
     " same round (median, 95% CI from order statistics); *added* is the median difference. What varies"
     " between rounds is mostly the allocators' paths (Python's and the C library's), which the A/A row"
-    " measures. A count weighs every instruction alike: it leaves out cache misses, mispredicted"
-    " branches and instruction widths. Under valgrind torch runs its AVX2 kernels (valgrind has no"
-    " AVX-512, which torch takes natively on a CPU that has it), which execute more instructions for"
-    " the same arithmetic: each verdict line gives the share of the plain call's count in AVX2 code (MKL's"
-    " matrix kernels, torch's vector loops, the C library's), the part whose count a CPU with wider"
-    " vectors would shrink. The time tables above measure the same calls in seconds, with their noise."
+    " measures: the same call's count moves with the heap's state (which free list a block comes from,"
+    " when chunks are merged). The last two columns read each count less the instructions executed in"
+    " the allocators' own functions (glibc's malloc, free, memalign and their internals; CPython's"
+    " pymalloc), whose paths vary most: a narrower A/A interval, at the price of leaving out what the"
+    " allocators do for the call itself. A count weighs every instruction alike: it leaves out cache"
+    " misses, mispredicted branches and instruction widths. Under valgrind torch runs its AVX2 kernels"
+    " (valgrind has no AVX-512, which torch takes natively on a CPU that has it), which execute more"
+    " instructions for the same arithmetic: each verdict line gives the share of the plain call's count"
+    " in AVX2 code (MKL's matrix kernels, torch's vector loops, the C library's), the part whose count a"
+    " CPU with wider vectors would shrink. The time tables above measure the same calls in seconds, with"
+    " their noise."
 )
 
 
@@ -948,10 +965,14 @@ def _counted_config(config: Config) -> dict[str, str]:
     return {"rounds": " or ".join(map(str, rounds))}
 
 
-def _counted_verdict(label: str, found: dict[str, Any]) -> tuple[str, str]:
-    """What a table's instruction counts say: ``run``'s ratios with their 95% CIs against the target,
-    and whether the A/A arm's CI and ``run``'s are narrow enough to resolve its margin."""
-    arms, target = found["arms"], found["target"]
+def _counted_verdict(label: str, found: dict[str, Any], measure: str | None = None) -> tuple[str, str]:
+    """What a table's instruction counts say (``measure="lean"``: the counts less the allocators'):
+    ``run``'s ratios with their 95% CIs against the target, and whether the A/A arm's CI and
+    ``run``'s are narrow enough to resolve its margin."""
+    arms = {arm: found["arms"][arm] for arm in (AA, FINISH, ABORT)}
+    if measure:
+        arms = {arm: found[measure] for arm, found in arms.items()}
+    target = found["target"]
 
     def width(arm: str) -> float:
         lo, hi = arms[arm]["ci"]
@@ -982,10 +1003,12 @@ def _counted_verdicts(data: dict[str, Any]) -> list[str]:
     lines = []
     for label, found in counted.items():
         modes, resolution = _counted_verdict(label, found)
+        lean_modes, lean_resolution = _counted_verdict(label, found, "lean")
         lines.append(
             f"{label}, target {found['target']:g}, instructions: {modes}; {found['rounds']} rounds,"
             f" {resolution} ({found['seconds'] / 60:.0f} min under callgrind); {found['avx2_share']:.0%} of"
-            " the plain call's count is in AVX2 code."
+            f" the plain call's count is in AVX2 code. Without the allocators: {lean_modes};"
+            f" {lean_resolution}."
         )
     return lines
 

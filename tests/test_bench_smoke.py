@@ -27,9 +27,18 @@ from bench.__main__ import (
     run_benchmarks,
     update_readme,
 )
-from bench.common import CPU, balanced_orders, cluster_median_ci, interleaved, machine_info, median_ci, quiet
+from bench.common import (
+    CPU,
+    Table,
+    balanced_orders,
+    cluster_median_ci,
+    interleaved,
+    machine_info,
+    median_ci,
+    quiet,
+)
 from bench.latency import ARMS
-from bench.overhead import AA, ABORT, FINISH, NATIVE, PLAIN, Throughput, in_fresh_process
+from bench.overhead import AA, ABORT, FINISH, NATIVE, PLAIN, Throughput, counted_rows, in_fresh_process
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5])
@@ -83,6 +92,13 @@ def test_each_arm_s_instructions_are_counted_under_callgrind():
     assert abs(counts[AA] / counts[PLAIN] - 1) < 0.01  # the same call, counted twice: the allocators' noise
     assert counts[FINISH] > counts[PLAIN] and counts[ABORT] > counts[PLAIN]  # run's own work is in its count
     assert 0 < counted.avx2_share < 1
+    # each count's instructions in the memory allocators, read from the same dump: a part of it
+    assert all(0 < counted.allocators[name][0] < counts[name] // 10 for name in counts)
+    table = Table("counted", [])
+    rows = counted_rows(table, Throughput("generate", 2), counted)
+    assert len(table.rows) == 5 and rows[PLAIN]["lean"]["ratio"] == 1
+    assert rows[FINISH]["lean"]["added"] == (counts[FINISH] - counted.allocators[FINISH][0]) - (
+        counts[PLAIN] - counted.allocators[PLAIN][0])
 
 
 @pytest.mark.skipif(instructions.missing() is not None, reason=f"counting {instructions.missing()}")
