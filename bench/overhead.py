@@ -971,7 +971,7 @@ def _counted_verdict(label: str, found: dict[str, Any], measure: str | None = No
     ``run``'s are narrow enough to resolve its margin."""
     arms = {arm: found["arms"][arm] for arm in (AA, FINISH, ABORT)}
     if measure:
-        arms = {arm: found[measure] for arm, found in arms.items()}
+        arms = {arm: figures[measure] for arm, figures in arms.items()}
     target = found["target"]
 
     def width(arm: str) -> float:

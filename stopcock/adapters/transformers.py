@@ -569,8 +569,7 @@ def _submodule(module: Any, name: str) -> torch.nn.Module | None:
 
 def _stop_head(model: Any) -> torch.nn.Module | None:
     """The stop-probability head that ends a ``generate`` running its own loop (SpeechT5's ``prob_out``)."""
-    head = _submodule(_submodule(model, "speech_decoder_postnet"), "prob_out")
-    return head if isinstance(head, torch.nn.Module) else None
+    return _submodule(_submodule(model, "speech_decoder_postnet"), "prob_out")
 
 
 def _many(inputs: Any) -> tuple[Iterable[Any], int | None] | None:
