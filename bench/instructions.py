@@ -101,12 +101,23 @@ class Callgrind:
         return Path(f"{self.dumps}.{self.n}")
 
 
-def read_total(dump: Path) -> int:
-    """The instruction count in one of callgrind's dumps (its ``totals:`` line)."""
-    for line in dump.read_text().splitlines():
+def _total(dump_text: str) -> int:
+    for line in dump_text.splitlines():
         if line.startswith("totals:"):
             return int(line.split()[1])
-    raise RuntimeError(f"no totals line in callgrind's dump {dump}")
+    raise RuntimeError("no totals line in a callgrind dump")
+
+
+def read_total(dump: Path) -> int:
+    """The instruction count in one of callgrind's dumps (its ``totals:`` line)."""
+    return _total(dump.read_text())
+
+
+def read_counts(dump: Path) -> tuple[int, int]:
+    """A dump's instruction count and those of them in the allocators (:func:`in_allocators`),
+    from one read of the dump."""
+    text = dump.read_text()
+    return _total(text), in_allocators(self_costs(text))
 
 
 def self_costs(dump_text: str) -> dict[str, int]:
@@ -251,10 +262,10 @@ def _counted_share(spec: str, rounds: int, warmup: int, callgrind: Callgrind) ->
         interleaved(arms, 0, warmup=warmup)
         with frozen_heap():
             counted = interleaved(arms, rounds, warmup=0)
+    read = {name: [read_counts(dump) for dump in made] for name, made in counted.items()}
     return Counted(
-        counts={name: [read_total(dump) for dump in made] for name, made in counted.items()},
-        allocators={name: [in_allocators(self_costs(dump.read_text())) for dump in made]
-                    for name, made in counted.items()},
+        counts={name: [total for total, _ in pairs] for name, pairs in read.items()},
+        allocators={name: [allocated for _, allocated in pairs] for name, pairs in read.items()},
         avx2_share=avx2_share(counted[PLAIN][-1]),
     )
 
