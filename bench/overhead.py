@@ -2,7 +2,7 @@
 
 A stop that is never requested should cost nothing: before a stop is possible a token of
 transformers' own loop runs no code of stopcock's (the criterion joins generate's list only when
-armed), a denoising step one flag read in the wrapped ``scheduler.step`` (plus the hook recording
+armed), a denoising step one flag read in the wrapped ``scheduler.step`` (plus the recording of
 the loop model's output), and, in abort mode, a module call nothing (the in-forward checks are
 armed only when a stop becomes possible). Each table runs five arms interleaved in balanced orders
 (each arm in each position, and right after each other arm, equally often): the plain call, the
@@ -519,8 +519,8 @@ def check_rows(table: Table, costs: dict[str, float], unit: str) -> None:
          "every denoising step"),
         ("a torch forward hook that does nothing (the anchor for any model hook: torch's dispatch)",
          "torch_hook", "each call of the hooked module"),
-        ("stopcock's recording of a loop model's output (a forward hook: after a finish-mode stop the loop"
-         " is fast-forwarded from it)", "record",
+        ("stopcock's recording of a loop model's output (a wrapper of its call for the run's thread: after"
+         " a finish-mode stop the loop is fast-forwarded from it)", "record",
          "each loop model call (the tiny SD's UNet: once per step), finish and abort"),
     ]
     alone = "best of 5" if unit == "s" else "count"
@@ -532,7 +532,7 @@ def check_rows(table: Table, costs: dict[str, float], unit: str) -> None:
 def _step_costs(calls: int, measure: Measure, device: Device) -> dict[str, float]:
     """Per denoising step, each added to a real ``scheduler.step`` (DDIM on the tiny SD latents), so
     both run in the same state of the caches: stopcock's wrapped step, and what diffusers itself runs
-    per step for a ``callback_on_step_end``. Per loop model call: stopcock's recording hook, beside a
+    per step for a ``callback_on_step_end``. Per loop model call: stopcock's recording, beside a
     torch forward hook that does nothing (timed on a small module, where their cost shows)."""
     pipe = image_pipeline(device=device)
     scheduler = pipe.scheduler
@@ -1044,7 +1044,7 @@ def _headline(data: dict[str, Any]) -> list[str]:
         f"Timed directly: stopcock's criterion {c['criterion'] * 1e6:.2f} µs per token against"
         f" {c['max_length'] * 1e6:.2f} µs for transformers' `MaxLengthCriteria`; the wrapped"
         f" `scheduler.step` {c['step'] * 1e6:.2f} µs per step against {c['native_step'] * 1e6:.2f} µs for"
-        f" diffusers' `callback_on_step_end`, and the recording hook {c['record'] * 1e6:.2f} µs per loop"
+        f" diffusers' `callback_on_step_end`, and the recording {c['record'] * 1e6:.2f} µs per loop"
         f" model call against {c['torch_hook'] * 1e6:.2f} µs for a torch hook that does nothing; abort mode"
         f" before a stop {c['module_unarmed'] * 1e6:.2f} µs"
         f" per module call (nothing installed), {c['module_armed'] * 1e6:.2f} µs once armed."
@@ -1055,7 +1055,7 @@ def _headline(data: dict[str, Any]) -> list[str]:
             f"Counted in instructions (callgrind): stopcock's criterion {n['criterion']:,.0f} per token"
             f" against {n['max_length']:,.0f} for `MaxLengthCriteria`; the wrapped `scheduler.step`"
             f" {n['step']:,.0f} per step against {n['native_step']:,.0f} for diffusers'"
-            f" `callback_on_step_end`; the recording hook {n['record']:,.0f} per loop model call against"
+            f" `callback_on_step_end`; the recording {n['record']:,.0f} per loop model call against"
             f" {n['torch_hook']:,.0f} for a torch hook that does nothing; a module call in abort mode before"
             f" a stop {n['module_unarmed']:,.0f}, {n['module_armed']:,.0f} once armed."
         )
