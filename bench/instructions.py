@@ -101,23 +101,23 @@ class Callgrind:
         return Path(f"{self.dumps}.{self.n}")
 
 
-def _total(dump_text: str) -> int:
+def _total(dump_text: str, dump: Path) -> int:
     for line in dump_text.splitlines():
         if line.startswith("totals:"):
             return int(line.split()[1])
-    raise RuntimeError("no totals line in a callgrind dump")
+    raise RuntimeError(f"no totals line in callgrind's dump {dump}")
 
 
 def read_total(dump: Path) -> int:
     """The instruction count in one of callgrind's dumps (its ``totals:`` line)."""
-    return _total(dump.read_text())
+    return _total(dump.read_text(), dump)
 
 
 def read_counts(dump: Path) -> tuple[int, int]:
     """A dump's instruction count and those of them in the allocators (:func:`in_allocators`),
     from one read of the dump."""
     text = dump.read_text()
-    return _total(text), in_allocators(self_costs(text))
+    return _total(text, dump), in_allocators(self_costs(text))
 
 
 def self_costs(dump_text: str) -> dict[str, int]:
