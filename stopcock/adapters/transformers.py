@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data import Dataset
@@ -69,6 +69,11 @@ _LOOP_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 #: transformers' generate builds each call's criteria list with this method (checked, not assumed)
 _BUILDS_LIST = "_get_stopping_criteria" in inspect.unwrap(GenerationMixin.generate).__code__.co_names
 _ABORTED_ITEMS = "aborted inside the model forward; output holds the results of the items done"
+_ABORTED_FRAMES = (
+    "aborted inside the model forward; output holds the mel frames generated so far, before the postnet"
+    " and the vocoder"
+)
+_ABORTED_NO_FRAMES = "aborted inside the model forward, before the first mel frame; no output"
 
 
 # -- the stopping criterion ---------------------------------------------------------------------
@@ -397,13 +402,17 @@ def stopping_criteria(stop: StopLike, tokenizer: Any = None) -> StoppingCriteria
 # -- running -------------------------------------------------------------------------------------
 
 
+class _ReadsAbort(Protocol):
+    def aborted(self, tb: TracebackType | None, model: Any) -> None: ...
+
+
 def _guarded(
-    control: RunControl, call: Callable[[], Any], criteria: _RunCriteria | None = None, model: Any = None
+    control: RunControl, call: Callable[[], Any], criteria: _ReadsAbort | None = None, model: Any = None
 ) -> tuple[Any, bool]:
     """``call()`` with a check before every module call, armed when a stop makes it needed (abort
     mode, or an escalating finish-mode stop). Returns (result, aborted): this run's :class:`Abort`
-    (from the check, or where a finish cannot end well) ends it there; ``criteria`` then reads the
-    tokens so far of ``model``'s generate call from the abort's traceback."""
+    (from the check, or where a finish cannot end well) ends it there; ``criteria`` then reads what
+    ``model``'s generate call made so far from the abort's traceback."""
     try:
         with control.intercept():
             return call(), False
@@ -529,8 +538,11 @@ def _run_generate(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], con
     if control.check():
         output, aborted = start, False
     elif head is not None:  # a loop of its own (SpeechT5): no criteria, its stop head ends it
-        with _OwnLoop(model, head, criteria, settings, kwargs, note):
-            output, aborted = _guarded(control, lambda: model.generate(*args, **kwargs))
+        loop = _OwnLoop(model, head, criteria, settings, kwargs, note)
+        with loop:
+            output, aborted = _guarded(control, lambda: model.generate(*args, **kwargs), loop, model)
+        if aborted:
+            output = loop.frames
     else:
         codebooks = nullcontext() if delayed is None else _padding_codebooks(delayed, criteria, control, note)
         with _TakingPart(criteria, model, kwargs, plain=_plain_generate(model)), codebooks:
@@ -541,7 +553,8 @@ def _run_generate(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], con
         else:
             criteria.returned(output)
     _end_streamer(kwargs.get("streamer"), criteria, aborted)
-    detail = "; ".join(([_ABORTED] if aborted else []) + notes) or None
+    what = _ABORTED if head is None else _ABORTED_FRAMES if output is not None else _ABORTED_NO_FRAMES
+    detail = "; ".join(([what] if aborted else []) + notes) or None
     if aborted:  # in finish mode too, where a finish could not end well (MusicGen before its first frame)
         fields["mode"] = "abort"
     sequences = getattr(output, "sequences", output)
@@ -642,6 +655,18 @@ class _OwnLoop:
             kwargs["minlenratio"] = 0.0
         self.least = 0  # the minimum length in steps, once the encoder has run
         self.bindings: list[AbstractContextManager[None]] = []
+        self.frames: torch.Tensor | None = None  # after an abort: the mel frames made so far
+
+    def aborted(self, tb: TracebackType | None, model: Any) -> None:
+        """After an abort inside the loop: the mel frames so far, read from the loop's own list
+        (``spectrogram`` in SpeechT5's ``_generate_speech``), one tensor per step."""
+        while tb is not None:
+            frame = tb.tb_frame
+            steps = frame.f_locals.get("spectrogram") if frame.f_code.co_name == "_generate_speech" else None
+            if isinstance(steps, list) and steps and all(isinstance(t, torch.Tensor) for t in steps):
+                frames = torch.cat(steps, dim=1)  # (batch, steps x reduction factor, mel bins)
+                self.frames = frames[0] if frames.shape[0] == 1 else frames
+            tb = tb.tb_next
 
     def __enter__(self) -> None:
         criteria = self.criteria
