@@ -1,0 +1,128 @@
+"""MkDocs hook: pages generated from the code at build time, so they cannot drift from it.
+
+- ``<!-- generated: cli -->`` becomes the ``--help`` of ``stopcock`` and of each of its commands,
+  from the argparse parser the command itself uses.
+- ``<!-- generated: openapi -->`` becomes the HTTP API, rendered from the OpenAPI schema of the
+  server's FastAPI app (built offline over the shipped demo text model; nothing is served).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+CLI_MARK = "<!-- generated: cli -->"
+OPENAPI_MARK = "<!-- generated: openapi -->"
+HELP_WIDTH = "100"
+
+
+def cli_reference() -> str:
+    """The help of the ``stopcock`` command and of every subcommand, as Markdown."""
+    from stopcock.cli import build_parser
+
+    saved = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = HELP_WIDTH  # argparse wraps at $COLUMNS: a fixed width, the same page anywhere
+    try:
+        parser = build_parser()
+        parts = ["## `stopcock`", "", "```text", parser.format_help().rstrip(), "```", ""]
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    parts += [f"## `stopcock {name}`", "", "```text", sub.format_help().rstrip(), "```", ""]
+    finally:
+        if saved is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = saved
+    return "\n".join(parts)
+
+
+def openapi_schema() -> dict[str, Any]:
+    """The server's OpenAPI schema, from the app over the demo text model (the schema does not depend on
+    which models are served)."""
+    from stopcock.server import LocalEngine, TextBackend, create_app
+    from stopcock.tiny.demo import demo_model
+
+    engine = LocalEngine({"text": TextBackend.load(str(demo_model("text")))})
+    try:
+        return create_app(engine).openapi()
+    finally:
+        engine.close()
+
+
+def _type(schema: dict[str, Any]) -> str:
+    if "$ref" in schema:
+        name = schema["$ref"].rsplit("/", 1)[-1]
+        return f"[`{name}`](#{name.lower()})"
+    for key in ("anyOf", "oneOf"):
+        if key in schema:
+            return " or ".join(_type(s) for s in schema[key])
+    kind = schema.get("type", "any")
+    if kind == "array":
+        return f"array of {_type(schema.get('items', {}))}"
+    if "enum" in schema:
+        return " \\| ".join(f"`{json.dumps(v)}`" for v in schema["enum"])
+    if "const" in schema:
+        return f"`{json.dumps(schema['const'])}`"
+    return f"`{kind}`"
+
+
+def _cell(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def http_reference(schema: dict[str, Any]) -> str:
+    """The schema as Markdown: every operation (parameters, body, responses), then every model."""
+    out: list[str] = ["## Operations", ""]
+    for path, operations in schema["paths"].items():
+        for method, op in operations.items():
+            out += [f"### `{method.upper()} {path}`", ""]
+            if op.get("summary"):
+                out += [f"**{_cell(op['summary'])}**", ""]
+            if op.get("description"):
+                out += [op["description"].strip(), ""]
+            params = op.get("parameters", [])
+            if params:
+                out += ["| parameter | in | type | required | description |", "|---|---|---|---|---|"]
+                for p in params:
+                    out.append(f"| `{p['name']}` | {p['in']} | {_type(p.get('schema', {}))} |"
+                               f" {'yes' if p.get('required') else 'no'} | {_cell(p.get('description', ''))} |")
+                out.append("")
+            body = op.get("requestBody", {}).get("content", {})
+            for media, content in body.items():
+                out += [f"Request body ({media}): {_type(content.get('schema', {}))}", ""]
+            out += ["| response | description |", "|---|---|"]
+            for code, response in op.get("responses", {}).items():
+                types = [_type(c.get("schema", {})) for c in response.get("content", {}).values()]
+                kinds = f" ({', '.join(types)})" if types and types != ["`any`"] else ""
+                out.append(f"| {code} | {_cell(response.get('description', ''))}{kinds} |")
+            out.append("")
+    out += ["## Models", ""]
+    for name, model in schema.get("components", {}).get("schemas", {}).items():
+        out += [f"### {name}", ""]
+        if model.get("description"):
+            out += [model["description"].strip(), ""]
+        props = model.get("properties", {})
+        if props:
+            required = set(model.get("required", []))
+            out += ["| field | type | required | description |", "|---|---|---|---|"]
+            for field, prop in props.items():
+                out.append(f"| `{field}` | {_type(prop)} | {'yes' if field in required else 'no'} |"
+                           f" {_cell(prop.get('description', ''))} |")
+            out.append("")
+        elif "enum" in model:
+            out += [f"One of {_type(model)}.", ""]
+    out += ['??? note "The whole schema (openapi.json)"', "", "    ```json"]
+    out += ["    " + line for line in json.dumps(schema, indent=2).splitlines()]
+    out += ["    ```", ""]
+    return "\n".join(out)
+
+
+def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
+    if CLI_MARK in markdown:
+        markdown = markdown.replace(CLI_MARK, cli_reference())
+    if OPENAPI_MARK in markdown:
+        markdown = markdown.replace(OPENAPI_MARK, http_reference(openapi_schema()))
+    return markdown
