@@ -2,6 +2,8 @@
 
 - ``<!-- generated: cli -->`` becomes the ``--help`` of ``stopcock`` and of each of its commands,
   from the argparse parser the command itself uses.
+- ``<!-- generated: rule STC001 -->`` becomes that rule's own documentation (what ``stopcock check
+  --explain STC001`` prints: what it finds and why, whether ``--fix`` fixes it, the upstream reports).
 - ``<!-- generated: openapi -->`` becomes the HTTP API, rendered from the OpenAPI schema of the
   server's FastAPI app (built offline over the shipped demo text model; nothing is served).
 """
@@ -11,11 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import textwrap
 from typing import Any
 
 CLI_MARK = "<!-- generated: cli -->"
 OPENAPI_MARK = "<!-- generated: openapi -->"
 HELP_WIDTH = "100"
+RULE_MARK = re.compile(r"<!-- generated: rule (STC\d{3}) -->")
 
 
 def cli_reference() -> str:
@@ -87,8 +92,9 @@ def http_reference(schema: dict[str, Any]) -> str:
             if params:
                 out += ["| parameter | in | type | required | description |", "|---|---|---|---|---|"]
                 for p in params:
+                    required = "yes" if p.get("required") else "no"
                     out.append(f"| `{p['name']}` | {p['in']} | {_type(p.get('schema', {}))} |"
-                               f" {'yes' if p.get('required') else 'no'} | {_cell(p.get('description', ''))} |")
+                               f" {required} | {_cell(p.get('description', ''))} |")
                 out.append("")
             body = op.get("requestBody", {}).get("content", {})
             for media, content in body.items():
@@ -120,9 +126,29 @@ def http_reference(schema: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def rule_reference(code: str) -> str:
+    """A linter rule's documentation, from the rule class itself."""
+    from stopcock.lint.rules import rule
+
+    found = rule(code)
+    if found is None:
+        raise ValueError(f"docs: no linter rule {code}")
+    parts = [f"`{found.code}` `{found.name}`: {found.summary}.", "",
+             "## What it finds, and why it is wrong", "", textwrap.dedent(found.explanation).strip(), "",
+             "## Fix", ""]
+    if found.fixable:
+        parts.append("`stopcock check --fix` rewrites it (`--diff` shows the change first).")
+    else:
+        parts.append("Not fixed automatically: change the code as in the example below.")
+    parts += ["", "## Reported upstream", ""]
+    parts += [f"- {line}" for line in found.upstream]
+    return "\n".join(parts) + "\n"
+
+
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
     if CLI_MARK in markdown:
         markdown = markdown.replace(CLI_MARK, cli_reference())
+    markdown = RULE_MARK.sub(lambda m: rule_reference(m[1]), markdown)
     if OPENAPI_MARK in markdown:
         markdown = markdown.replace(OPENAPI_MARK, http_reference(openapi_schema()))
     return markdown
