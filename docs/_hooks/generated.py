@@ -20,6 +20,8 @@ from typing import Any
 CLI_MARK = "<!-- generated: cli -->"
 OPENAPI_MARK = "<!-- generated: openapi -->"
 HELP_WIDTH = "100"
+# Sphinx roles in docstrings (":class:`~stopcock.StopSignal`"), as Markdown renders them: shown as code.
+SPHINX_ROLE = re.compile(r":(?:class|func|meth|mod|attr|exc|data|obj):<code>~?([^<]*)</code>")
 RULE_MARK = re.compile(r"<!-- generated: rule (STC\d{3}) -->")
 
 
@@ -152,3 +154,12 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
     if OPENAPI_MARK in markdown:
         markdown = markdown.replace(OPENAPI_MARK, http_reference(openapi_schema()))
     return markdown
+
+
+def _role(match: re.Match[str]) -> str:
+    name = match[1].rsplit(".", 1)[-1] if "~" in match[0] else match[1]  # "~a.b.C" shows "C", as Sphinx
+    return f"<code>{name}</code>"
+
+
+def on_page_content(html: str, page: Any, config: Any, files: Any) -> str:
+    return SPHINX_ROLE.sub(_role, html)
