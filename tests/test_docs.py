@@ -13,6 +13,7 @@ The convention (docs/index.md says it too):
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import re
@@ -207,3 +208,49 @@ def test_blocks_have_no_linter_findings() -> None:
                 assert rule in codes, f"{where}: the wrong example is not found by {rule}"
             else:
                 assert codes == [], f"{where}: stopcock check finds {codes}"
+
+
+def _hook() -> object:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_hook", ROOT / "docs" / "_hooks" / "generated.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_page_is_in_the_nav_and_every_rule_has_one() -> None:
+    from stopcock.lint.rules import RULES
+
+    nav = (ROOT / "mkdocs.yml").read_text("utf-8")
+    for page in pages()[1:]:
+        name = page.relative_to(ROOT / "docs").as_posix()
+        assert f": {name}" in nav, f"docs/{name} is not in mkdocs.yml's nav"
+    for rule in RULES:
+        page = ROOT / "docs" / "linter" / f"{rule.code}.md"
+        marker = f"<!-- generated: rule {rule.code} -->"
+        assert marker in page.read_text("utf-8"), f"{page} lacks its rule's text ({marker})"
+
+
+def test_generated_pages_cover_the_cli_rules_and_http_api() -> None:
+    """What the build hook writes: every command's help, every rule's text, every HTTP operation."""
+    from stopcock.cli import build_parser
+    from stopcock.lint.rules import RULES
+
+    hook = _hook()
+    cli = hook.cli_reference()  # type: ignore[attr-defined]
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name in commands.choices:
+        assert f"## `stopcock {name}`" in cli
+    for rule in RULES:
+        assert rule.summary in hook.rule_reference(rule.code)  # type: ignore[attr-defined]
+    schema = {"paths": {"/v1/x/{id}": {"post": {"summary": "Do X", "parameters": [
+        {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}],
+        "requestBody": {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Job"}}}},
+        "responses": {"200": {"description": "OK"}}}}},
+        "components": {"schemas": {"Job": {"properties": {"kind": {"enum": ["text", "image"]}},
+                                           "required": ["kind"]}}}}
+    page = hook.http_reference(schema)  # type: ignore[attr-defined]
+    assert "### `POST /v1/x/{id}`" in page and "[`Job`](#job)" in page
+    assert '| `kind` | `"text"` \\| `"image"` | yes |' in page

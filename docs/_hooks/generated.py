@@ -114,10 +114,10 @@ def http_reference(schema: dict[str, Any]) -> str:
             out += [model["description"].strip(), ""]
         props = model.get("properties", {})
         if props:
-            required = set(model.get("required", []))
+            needed = set(model.get("required", []))
             out += ["| field | type | required | description |", "|---|---|---|---|"]
             for field, prop in props.items():
-                out.append(f"| `{field}` | {_type(prop)} | {'yes' if field in required else 'no'} |"
+                out.append(f"| `{field}` | {_type(prop)} | {'yes' if field in needed else 'no'} |"
                            f" {_cell(prop.get('description', ''))} |")
             out.append("")
         elif "enum" in model:
