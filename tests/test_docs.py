@@ -242,7 +242,7 @@ def test_generated_pages_cover_the_cli_rules_and_http_api() -> None:
     cli = hook.cli_reference()  # type: ignore[attr-defined]
     commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     for name in commands.choices:
-        assert f"## `stopcock {name}`" in cli
+        assert f"### `stopcock {name}`" in cli
     for rule in RULES:
         assert rule.summary in hook.rule_reference(rule.code)  # type: ignore[attr-defined]
     schema = {"paths": {"/v1/x/{id}": {"post": {"summary": "Do X", "parameters": [

@@ -33,11 +33,11 @@ def cli_reference() -> str:
     os.environ["COLUMNS"] = HELP_WIDTH  # argparse wraps at $COLUMNS: a fixed width, the same page anywhere
     try:
         parser = build_parser()
-        parts = ["## `stopcock`", "", "```text", parser.format_help().rstrip(), "```", ""]
+        parts = ["### `stopcock`", "", "```text", parser.format_help().rstrip(), "```", ""]
         for action in parser._actions:
             if isinstance(action, argparse._SubParsersAction):
                 for name, sub in action.choices.items():
-                    parts += [f"## `stopcock {name}`", "", "```text", sub.format_help().rstrip(), "```", ""]
+                    parts += [f"### `stopcock {name}`", "", "```text", sub.format_help().rstrip(), "```", ""]
     finally:
         if saved is None:
             del os.environ["COLUMNS"]
