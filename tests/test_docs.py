@@ -254,3 +254,14 @@ def test_generated_pages_cover_the_cli_rules_and_http_api() -> None:
     page = hook.http_reference(schema)  # type: ignore[attr-defined]
     assert "### `POST /v1/x/{id}`" in page and "[`Job`](#job)" in page
     assert '| `kind` | `"text"` \\| `"image"` | yes |' in page
+
+
+def test_the_api_reference_names_every_public_name() -> None:
+    import stopcock
+
+    text = (ROOT / "docs" / "reference" / "api.md").read_text("utf-8")
+    listed = {n for line in re.findall(r"<!-- generated: api ([\w ]+) -->", text) for n in line.split()}
+    public = set(stopcock.__all__)
+    assert listed == public, f"missing {public - listed}, extra {listed - public}"
+    blocks = _hook().api_blocks(" ".join(sorted(listed)))  # type: ignore[attr-defined]
+    assert blocks.count(":::") == len(listed) and "::: stopcock.runner.run" in blocks

@@ -4,6 +4,9 @@
   from the argparse parser the command itself uses.
 - ``<!-- generated: rule STC001 -->`` becomes that rule's own documentation (what ``stopcock check
   --explain STC001`` prints: what it finds and why, whether ``--fix`` fixes it, the upstream reports).
+- ``<!-- generated: api run stream ... -->`` becomes a mkdocstrings block (``::: module.name``) for
+  each public name of ``stopcock``, at the module that defines it (the package's lazy names included),
+  so the reference follows the code wherever a name's implementation lives.
 - ``<!-- generated: openapi -->`` becomes the HTTP API, rendered from the OpenAPI schema of the
   server's FastAPI app (built offline over the shipped demo text model; nothing is served).
 """
@@ -22,6 +25,7 @@ OPENAPI_MARK = "<!-- generated: openapi -->"
 HELP_WIDTH = "100"
 # Sphinx roles in docstrings (":class:`~stopcock.StopSignal`"), as Markdown renders them: shown as code.
 SPHINX_ROLE = re.compile(r":(?:class|func|meth|mod|attr|exc|data|obj):<code>~?([^<]*)</code>")
+API_MARK = re.compile(r"<!-- generated: api ([\w ]+) -->")
 RULE_MARK = re.compile(r"<!-- generated: rule (STC\d{3}) -->")
 
 
@@ -147,9 +151,25 @@ def rule_reference(code: str) -> str:
     return "\n".join(parts) + "\n"
 
 
+def api_blocks(names: str) -> str:
+    """``::: module.qualname`` for each public name of ``stopcock``, where it is defined."""
+    import stopcock
+
+    blocks = []
+    for name in names.split():
+        if name not in stopcock.__all__:
+            raise ValueError(f"docs: {name!r} is not a public name of stopcock")
+        obj = getattr(stopcock, name)
+        where = getattr(obj, "__qualname__", None)
+        # a type alias (Event) has no qualified name: griffe finds it through the package's import
+        blocks.append(f"::: {obj.__module__}.{where}" if where else f"::: stopcock.{name}")
+    return "\n\n".join(blocks)
+
+
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
     if CLI_MARK in markdown:
         markdown = markdown.replace(CLI_MARK, cli_reference())
+    markdown = API_MARK.sub(lambda m: api_blocks(m[1]), markdown)
     markdown = RULE_MARK.sub(lambda m: rule_reference(m[1]), markdown)
     if OPENAPI_MARK in markdown:
         markdown = markdown.replace(OPENAPI_MARK, http_reference(openapi_schema()))
