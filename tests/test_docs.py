@@ -265,3 +265,12 @@ def test_the_api_reference_names_every_public_name() -> None:
     assert listed == public, f"missing {public - listed}, extra {listed - public}"
     blocks = _hook().api_blocks(" ".join(sorted(listed)))  # type: ignore[attr-defined]
     assert blocks.count(":::") == len(listed) and "::: stopcock.runner.run" in blocks
+
+
+def test_readme_links_resolve() -> None:
+    """The README's links into the repository (docs pages, ARCHITECTURE.md) point at files that exist."""
+    text = (ROOT / "README.md").read_text("utf-8")
+    targets = [t.split("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", text) if "://" not in t]
+    assert targets, "the README links into the docs"
+    missing = [t for t in targets if t and not (ROOT / t).exists()]
+    assert not missing, f"README.md links to missing files: {missing}"
