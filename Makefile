@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 # (PIP_EXTRA_INDEX_URL) or override TORCH; pyproject.toml itself only asks for torch>=2.1.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test soak lint bench coverage browser valgrind clean
+.PHONY: setup demo test docs soak lint bench coverage browser valgrind clean
 
 setup: $(VENV)/.stamp-setup
 
@@ -21,10 +21,15 @@ $(VENV)/.stamp-setup: pyproject.toml
 demo: setup
 	HF_HUB_OFFLINE=1 $(BIN)/stopcock demo
 
-test: setup browser valgrind
+test: setup browser valgrind docs
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
 	$(BIN)/ruff check stopcock tests bench tiny _stopcock_launch.py
 	$(BIN)/mypy
+
+# The documentation site, built strictly (any warning fails) and offline: the CLI and HTTP API pages
+# are generated from the code as it builds (docs/_hooks/generated.py). The site lands in site/.
+docs: setup
+	HF_HUB_OFFLINE=1 NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 # The reliability suite's longer versions (tests/test_reliability_*.py); prints the figures measured.
 soak: setup
@@ -63,4 +68,4 @@ valgrind:
 	  else echo "make valgrind: valgrind or cc is missing; as root: apt-get install valgrind gcc" >&2; fi
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build site *.egg-info .pytest_cache .mypy_cache .ruff_cache
