@@ -1,12 +1,12 @@
 """``python -m bench [--quick] [--only NAME ...] [--out PATH] [--device cpu|cuda] [--dtype ...]``.
 
-The full run (``make bench``) writes ``bench/RESULTS.md`` and refreshes the summary in the README's
-``bench`` section from the same numbers. ``--quick`` runs the smallest configuration of each
-benchmark in seconds (what the CI smoke test runs) and prints the report unless ``--out`` is given.
+The full run (``make bench``) writes ``bench/RESULTS.md``, headed by a summary of each benchmark's
+headline lines (the docs' benchmarks page includes that file). ``--quick`` runs the smallest
+configuration of each benchmark in seconds (what the CI smoke test runs) and prints the report
+unless ``--out`` is given.
 ``--device cuda`` (with ``--dtype float16`` or ``bfloat16``) runs the same tables on a GPU, with
 CUDA-synchronised timing and a count of the host-device synchronisations a run adds; a run on
-another device than the CPU in float32 writes ``bench/RESULTS-<device>-<dtype>.md`` and leaves the
-README alone.
+another device than the CPU in float32 writes ``bench/RESULTS-<device>-<dtype>.md``.
 """
 
 from __future__ import annotations
@@ -31,8 +31,6 @@ BENCHMARKS = {
 }
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "RESULTS.md"
-README = HERE.parent / "README.md"
-SUMMARY_START, SUMMARY_END = "<!-- bench-summary -->", "<!-- /bench-summary -->"
 
 
 def run_benchmarks(names: list[str], quick: bool, device: Device | None = None) -> list[Section]:
@@ -74,32 +72,12 @@ def render(sections: list[Section], info: dict[str, str], command: str, seconds:
         "| machine | |",
         "|---|---|",
         *(f"| {k} | {v} |" for k, v in info.items()),
-    ]
-    return "\n".join(lines) + "\n\n" + "\n\n".join(s.markdown() for s in sections) + "\n"
-
-
-def readme_summary(sections: list[Section], info: dict[str, str]) -> str:
-    """The README's summary block: each benchmark's headline lines, dated."""
-    lines = [
-        SUMMARY_START,
-        f"Measured {info['date (UTC)']} on {info['CPU']} ({info['cores']} cores, torch threads"
-        f" {info['torch threads']}, load average at start {info['load average at start (1, 5, 15 min)']});"
-        " full tables and the exact command in [`bench/RESULTS.md`](bench/RESULTS.md)." + busy(info),
+        "",
+        "## Summary",
         "",
         *(f"- {line}" for s in sections for line in s.headline),
-        SUMMARY_END,
     ]
-    return "\n".join(lines)
-
-
-def update_readme(summary: str, readme: Path = README) -> bool:
-    """Replace the summary block in the README; returns False (and leaves it) if the markers are missing."""
-    text = readme.read_text()
-    start, end = text.find(SUMMARY_START), text.find(SUMMARY_END)
-    if start < 0 or end < start:
-        return False
-    readme.write_text(text[:start] + summary + text[end + len(SUMMARY_END) :])
-    return True
+    return "\n".join(lines) + "\n\n" + "\n\n".join(s.markdown() for s in sections) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,9 +112,6 @@ def main(argv: list[str] | None = None) -> int:
     else:
         out.write_text(report)
         print(f"bench: wrote {out}", file=sys.stderr)
-    if out == RESULTS and not args.quick and names == list(BENCHMARKS):
-        if not update_readme(readme_summary(sections, info)):
-            print(f"bench: no {SUMMARY_START} block in {README}; summary not updated", file=sys.stderr)
     return 0
 
 

@@ -17,16 +17,7 @@ from pathlib import Path
 import pytest
 
 from bench import instructions
-from bench.__main__ import (
-    BENCHMARKS,
-    SUMMARY_END,
-    SUMMARY_START,
-    main,
-    readme_summary,
-    render,
-    run_benchmarks,
-    update_readme,
-)
+from bench.__main__ import BENCHMARKS, main, render, run_benchmarks
 from bench.common import (
     CPU,
     Table,
@@ -176,13 +167,11 @@ def test_a_fast_forwarded_tail_is_measured_step_by_step(sections):
     assert case["computed"] and all(d > 0 for d in case["computed"] + case["forwarded"])
 
 
-def test_readme_summary_replaces_only_its_block(sections, tmp_path: Path):
-    readme = tmp_path / "README.md"
-    readme.write_text(f"before\n{SUMMARY_START}\nold\n{SUMMARY_END}\nafter\n")
-    assert update_readme(readme_summary(list(sections.values()), machine_info()), readme)
-    text = readme.read_text()
-    assert text.startswith("before\n") and text.endswith("\nafter\n") and "old" not in text
-    assert "bench/RESULTS.md" in text
+def test_the_report_opens_with_every_headline(sections):
+    report = render(list(sections.values()), machine_info(), "python -m bench --quick", 1.0)
+    summary = report.split("## Summary", 1)[1]
+    headlines = [line for s in sections.values() for line in s.headline]
+    assert headlines and all(f"- {line}" in summary for line in headlines)
 
 
 def test_main_writes_the_report_where_asked(tmp_path: Path):
