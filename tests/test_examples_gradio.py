@@ -39,8 +39,30 @@ def _example():
     return module
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
 @pytest.fixture(scope="module")
-def app(one_torch_thread):
+def lookups():
+    """Every host name this process resolves while the module runs (Gradio must reach no network)."""
+    import socket
+
+    seen: list[str] = []
+    resolve = socket.getaddrinfo
+
+    def recording(host, *args, **kwargs):
+        seen.append(host.decode() if isinstance(host, bytes) else str(host))
+        return resolve(host, *args, **kwargs)
+
+    socket.getaddrinfo = recording
+    try:
+        yield seen
+    finally:
+        socket.getaddrinfo = resolve
+
+
+@pytest.fixture(scope="module")
+def app(one_torch_thread, lookups):
     """The example over its demo models (loaded here, so a step of each can be held), served on loopback."""
     example = _example()
     image_pipe, text_pipe = example.demo_models()
@@ -77,10 +99,13 @@ def page(app):
                   "--disable-component-update"],
         )
         page = browser.new_page()
+        outside: list[str] = []  # what the page asks of any host but the app's: nothing, offline
+        page.on("request", lambda r: None if r.url.startswith(app[0]) else outside.append(r.url))
         page.set_default_timeout(WAIT * 1000)
         page.goto(app[0])
         yield page
         browser.close()
+        assert not [u for u in outside if not u.startswith(("data:", "blob:"))], outside
 
 
 def _free_port() -> int:
@@ -227,3 +252,8 @@ def test_a_session_copy_is_a_new_idle_session():
     assert fresh.signal is not session.signal and not fresh.running
     session.close()
     assert session.signal.reason == "closed" and not fresh.signal.stopped
+
+
+def test_nothing_reached_beyond_loopback(app, page, lookups):
+    """Analytics off, no share link, system fonts: the server resolved no host but loopback."""
+    assert lookups and set(lookups) <= set(LOOPBACK), lookups
