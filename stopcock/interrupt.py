@@ -12,7 +12,7 @@ Python delivers signals to the main thread only, so a run with ``interrupted()``
 ignored (a process started in the background), it is left alone.
 
 :func:`interrupted` is a description, like every condition: :func:`take` swaps it for a new
-:class:`~stopcock.StopSignal` of each run when ``run()`` binds it, so a run watches it as it
+:class:`~stopcock.StopSignal` of each run when ``run()`` (or ``resume()``) binds it, so a run watches it as it
 watches any signal (no cost until it is stopped), and :func:`catching` installs the handler that
 stops that signal.
 """
@@ -45,7 +45,7 @@ class Interrupted(Condition):
     def check(self, state: StepState) -> str | None:
         # run() swaps this condition for a signal of the run (take()); a check means no swap was made
         raise TypeError(
-            "stopcock.interrupted() works in stopcock.run() (and what calls it) on the main thread,"
+            "stopcock.interrupted() works in stopcock.run() and stopcock.resume() on the main thread,"
             " at the top level of stop= (alone, in a list, or joined with |); elsewhere, stop the run"
             " with a StopSignal and call signal.stop('interrupted') yourself"
         )

@@ -58,7 +58,7 @@ def test_interrupted_inside_an_and_is_refused_with_the_fix():
 
 
 def test_an_interrupted_that_was_not_bound_by_run_says_so_when_checked():
-    with pytest.raises(TypeError, match=r"works in stopcock.run\(\)"):
+    with pytest.raises(TypeError, match=r"works in stopcock.run\(\) and stopcock.resume\(\)"):
         stopcock.interrupted().check(stopcock.StepState())
 
 
@@ -93,6 +93,21 @@ def test_a_second_press_raises_keyboard_interrupt_and_restores_the_handler(text_
 
     with pytest.raises(KeyboardInterrupt):
         _generate(text_model, tokenizer, stop=stopcock.interrupted(), on_step=press_twice_at_three)
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+@pytest.mark.timeout(WAIT)
+def test_a_resumed_run_is_interrupted_the_same_way(text_model, tokenizer):
+    before = signal.getsignal(signal.SIGINT)
+    stopped = _generate(text_model, tokenizer, stop=stopcock.max_steps(3), checkpoint=True)
+
+    def press_at_seven(state):
+        if state.step == 7:
+            signal.raise_signal(signal.SIGINT)
+
+    stop = stopcock.interrupted()
+    resumed = stopcock.resume(text_model, stopped.checkpoint, stop=stop, on_step=press_at_seven)
+    assert (resumed.reason, resumed.steps) == ("interrupted", 7)
     assert signal.getsignal(signal.SIGINT) is before
 
 
