@@ -1,7 +1,7 @@
 """A FastAPI app: a streaming endpoint whose client going away stops the run, and a blocking one that
 returns the partial result when its own time limit is up.
 
-    pip install "stopcock[server]"        # FastAPI and uvicorn, with transformers and diffusers
+    pip install "stopcock[all]"           # transformers, diffusers, and the server: FastAPI, uvicorn
     python examples/fastapi_app.py        # serves on http://127.0.0.1:8000
     curl -N "http://127.0.0.1:8000/stream?prompt=Beautiful%20is"       # Ctrl+C: the run stops
     curl -X POST http://127.0.0.1:8000/image -H "Content-Type: application/json" \\

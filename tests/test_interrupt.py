@@ -249,6 +249,7 @@ def _cells() -> list[str]:
 @pytest.mark.timeout(WAIT * 3)
 def test_a_notebook_interrupt_keeps_the_partial_in_a_real_kernel():
     pytest.importorskip("ipykernel")
+    pytest.importorskip("jupyter_client")
     from jupyter_client.manager import KernelManager
 
     setup, long_run, show, _text = _cells()
