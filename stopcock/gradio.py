@@ -81,12 +81,18 @@ class Session:
 
     Each :meth:`stream` call gets a new signal (a stopped signal stays stopped), made before its
     first view: enable the buttons from that view on, and a click always reaches the run it shows.
-    The button methods return a line to show (a click when nothing runs does nothing).
+    The buttons act on every run of the session that is going (two events of one page streaming at
+    once); each returns a line to show (a click when nothing runs does nothing).
     """
 
     def __init__(self) -> None:
-        self.signal = StopSignal()
-        self.running = False
+        self.signal = StopSignal()  # the latest run's
+        self._going: list[StopSignal] = []  # the signals of the runs going now
+
+    @property
+    def running(self) -> bool:
+        """Whether a run of this session is going."""
+        return bool(self._going)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Session:
         # gr.State deep-copies the initial value for each session: a copy is a new, idle session
@@ -94,28 +100,35 @@ class Session:
 
     def stop(self) -> str:
         """Stop the run at its next step; the page keeps what it made."""
-        if not self.running:
+        going = list(self._going)
+        for signal in going:
+            signal.stop("user")
+        if not going:
             return "Nothing is running."
-        self.signal.stop("user")
         return "Stopping at the next step: the partial result will be kept."
 
     def skip(self) -> str:
         """End the current item and go on with the next (with one item: end the run)."""
-        if not self.running:
+        going = list(self._going)
+        for signal in going:
+            signal.skip()
+        if not going:
             return "Nothing is running."
-        self.signal.skip()
         return "Skipping the current item."
 
     def stop_after_item(self) -> str:
         """Let the current item finish, then start no other."""
-        if not self.running:
+        going = list(self._going)
+        for signal in going:
+            signal.stop_after_item(AFTER_ITEM)
+        if not going:
             return "Nothing is running."
-        self.signal.stop_after_item(AFTER_ITEM)
         return "Stopping once the current item is done."
 
     def close(self) -> None:
         """Stop whatever runs (``gr.State(Session, delete_callback=Session.close)``: a closed tab)."""
-        self.signal.stop(CLOSED)
+        for signal in [*self._going, self.signal]:
+            signal.stop(CLOSED)
 
     async def stream(
         self,
@@ -140,7 +153,7 @@ class Session:
         stop = kwargs.pop("stop", None)
         condition: Any = signal if stop is None else [signal, *(stop if isinstance(stop, list) else [stop])]
         view = View(items=len(items))
-        self.running = True
+        self._going.append(signal)
         try:
             yield view
             for index, item in enumerate(items):
@@ -154,7 +167,7 @@ class Session:
                         view = self._next(view, event, size)
                         yield view
         finally:
-            self.running = False
+            self._going.remove(signal)
         yield replace(view, running=False, status=self._ended(view, signal))
 
     def _next(self, view: View, event: Any, size: int) -> View:

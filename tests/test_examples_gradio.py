@@ -199,17 +199,17 @@ def test_stop_keeps_the_partial_text(app, page):
 
 
 # -- the Session under the buttons, without a browser ----------------------------------------------------
-def _views(session: Session, pipe, digits: list[str], press) -> list[View]:
-    """Every view of ``session.stream`` over ``digits``, ``press(view)`` called on each; on a thread of
-    its own (the browser tests' Playwright holds an event loop in this one)."""
+def _views(session: Session, pipe, digits: list[str], **options) -> list[View]:
+    """Every view of ``session.stream`` over ``digits``; on a thread of its own (the browser tests'
+    Playwright holds an event loop in this one)."""
     import asyncio
 
     views: list[View] = []
 
     async def collect() -> None:
-        async for view in session.stream(pipe, each=digits, num_inference_steps=8, partial="denoised"):
+        async for view in session.stream(pipe, each=digits, num_inference_steps=8, partial="denoised",
+                                         **options):
             views.append(view)
-            press(view)
 
     thread = threading.Thread(target=asyncio.run, args=(collect(),))
     thread.start()
@@ -222,23 +222,27 @@ def _views(session: Session, pipe, digits: list[str], press) -> list[View]:
 def test_skip_goes_on_with_the_next_item_and_stop_after_this_starts_no_other(image_pipe, one_torch_thread):
     session = Session()
     assert session.stop() == "Nothing is running."
+    said: list[str] = []
 
-    def skip_first_at_step_3(view: View) -> None:
-        if view.item == 0 and view.step == 3 and view.outcome is None:
-            session.skip()
+    def press(button, at: int):
+        """An on_step that clicks ``button`` once, at step ``at`` of the first item (in the run's
+        thread, before that step's check: the click lands on that very step)."""
 
-    views = _views(session, image_pipe, ["1", "2"], skip_first_at_step_3)
-    last = views[-1]
+        def on_step(state) -> None:
+            if state.step == at and not said:
+                said.append(button())
+
+        return on_step
+
+    last = _views(session, image_pipe, ["1", "2"], on_step=press(session.skip, 3))[-1]
+    assert said == ["Skipping the current item."]
     assert not last.running and not session.running
     assert [(o.reason, o.steps) for o in last.outcomes] == [("skipped", 3), ("completed", 8)]
     assert len(last.images) == 2 and last.images[0].size == (256, 256)
 
-    def after_this_at_step_2(view: View) -> None:
-        if view.item == 0 and view.step == 2 and view.outcome is None:
-            session.stop_after_item()
-
-    views = _views(session, image_pipe, ["1", "2", "3"], after_this_at_step_2)
-    last = views[-1]
+    said.clear()
+    last = _views(session, image_pipe, ["1", "2", "3"], on_step=press(session.stop_after_item, 2))[-1]
+    assert said == ["Stopping once the current item is done."]
     assert [(o.reason, o.steps) for o in last.outcomes] == [("completed", 8)]
     assert "Stopped after this item: 2 not started." in last.status
 
@@ -247,11 +251,50 @@ def test_a_session_copy_is_a_new_idle_session():
     import copy
 
     session = Session()
-    session.running = True
     fresh = copy.deepcopy(session)  # what gr.State does with its initial value, per browser session
     assert fresh.signal is not session.signal and not fresh.running
     session.close()
     assert session.signal.reason == "closed" and not fresh.signal.stopped
+
+
+@pytest.mark.timeout(WAIT)
+def test_the_buttons_reach_every_run_of_the_session(image_pipe, text_pipe, one_torch_thread):
+    """Two events of one page streaming at once (an image and a text): Stop stops both, and each
+    keeps its partial."""
+    import asyncio
+
+    session = Session()
+    ends: list[View] = []
+
+    async def one(started: asyncio.Event, both: asyncio.Event, target, *args, **kwargs) -> None:
+        async for view in session.stream(target, *args, **kwargs):
+            if view.step >= 2 and view.outcome is None and not started.is_set():
+                started.set()
+                await both.wait()
+        ends.append(view)
+
+    async def main() -> None:
+        first, second = asyncio.Event(), asyncio.Event()
+        both = asyncio.Event()
+        # buffer=1: a run whose consumer waits is held in its step, so neither can end on its own
+        tasks = [
+            asyncio.create_task(one(first, both, image_pipe, "1", num_inference_steps=50, buffer=1)),
+            asyncio.create_task(one(second, both, text_pipe, "Beautiful is", max_new_tokens=50,
+                                    min_new_tokens=50, buffer=1)),
+        ]
+        await asyncio.wait_for(asyncio.gather(first.wait(), second.wait()), WAIT)
+        assert session.running and session.stop().startswith("Stopping")
+        both.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), WAIT)
+
+    thread = threading.Thread(target=asyncio.run, args=(main(),))
+    thread.start()
+    thread.join(WAIT)
+    assert [v.outcome.reason for v in ends] == ["user", "user"]
+    assert all(v.outcome.steps < 50 for v in ends)
+    image, text = sorted(ends, key=lambda v: v.image is None)
+    assert image.image is not None and text.text
+    assert not session.running and session.stop() == "Nothing is running."
 
 
 def test_nothing_reached_beyond_loopback(app, page, lookups):
