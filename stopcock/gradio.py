@@ -145,8 +145,9 @@ class Session:
         after each event. ``each=[a, b, ...]``: one run per item, the item passed first
         (``target(a, *args, **kwargs)``). ``tokenizer``, ``preview`` and ``preview_every`` are
         :func:`stopcock.stream`'s; ``size``: images smaller than this are enlarged (:func:`enlarge`).
-        Other keyword arguments go to :func:`stopcock.run` (``mode=``, ``partial=``, ``stop=`` is
-        this session's signal, joined with any ``stop=`` given) and to the target.
+        Other keyword arguments go to :func:`stopcock.astream` (``buffer=``), to
+        :func:`stopcock.run` (``mode=``, ``partial=``, ``on_step=``; a ``stop=`` given is joined with
+        this session's signal) and to the target.
         """
         items = [None] if each is None else list(each)
         signal = self.signal = StopSignal()
