@@ -252,7 +252,7 @@ def test_a_notebook_interrupt_keeps_the_partial_in_a_real_kernel():
     pytest.importorskip("jupyter_client")
     from jupyter_client.manager import KernelManager
 
-    setup, long_run, show, _text = _cells()
+    setup, long_run, show, text = _cells()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     manager = KernelManager(kernel_name="python3")
     manager.start_kernel(env=env, cwd=str(ROOT))
@@ -277,6 +277,10 @@ def test_a_notebook_interrupt_keeps_the_partial_in_a_real_kernel():
         reason, steps, total = reply["stdout"].split()
         assert reason == "interrupted" and 100 <= int(steps) < int(total) == 1000
         assert reply["image/png"]  # the partial image, shown by the cell
+
+        reply = _execute(client, text)  # the notebook's last cell: text, run to its end here
+        assert reply["status"] == "ok", reply
+        assert reply["stdout"].startswith(("length ", "eos ")) and "Beautiful is" in reply["stdout"]
 
         reply = _execute(client, "import signal; print(signal.getsignal(signal.SIGINT).__class__.__name__)")
         assert "_Handler" not in reply["stdout"]  # nothing of the run's is left installed
