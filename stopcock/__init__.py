@@ -19,6 +19,7 @@ from .conditions import (
 )
 from .control import Abort
 from .events import Done, Event, Step, TextChunk
+from .interrupt import interrupted
 from .outcome import Outcome
 from .pause import PauseSignal
 
@@ -64,6 +65,7 @@ __all__ = [
     "TextChunk",
     "UnsupportedTarget",
     "deadline",
+    "interrupted",
     "max_steps",
     "resume",
     "run",

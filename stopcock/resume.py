@@ -9,11 +9,13 @@ cache could not be kept, by recomputing it (not guaranteed bit-identical, said i
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 from .adapters import REGISTRY, UnsupportedTarget, resolve
 from .conditions import StopLike
 from .control import RunControl
+from .interrupt import catching, take
 from .outcome import Outcome
 from .runner import resumable, running
 from .state import StepState
@@ -52,6 +54,7 @@ def resume(
             f"resume() takes a stopcock.Checkpoint (outcome.checkpoint, or Checkpoint.load(path)), got"
             f" {type(checkpoint).__name__}"
         )
+    stop, interrupt = take(stop)  # interrupted(): a signal of this run, stopped by its SIGINT handler
     control = RunControl(stop, mode=mode, on_step=on_step)
     try:
         found, _ = resolve(target, REGISTRY, checkpoint.kind)
@@ -63,5 +66,5 @@ def resume(
         ) from None
     given = {**given, **(kwargs or {})}
     options = {name: given.pop(name) for name in found.options if name in given}
-    with running(control, target):
+    with catching(interrupt) if interrupt is not None else nullcontext(), running(control, target):
         return resumable(found).resume(target, checkpoint, control, given, record=record, **options)

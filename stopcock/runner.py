@@ -18,8 +18,10 @@ from .adapters import REGISTRY, Adapter, UnsupportedTarget, resolve
 from .adapters.base import Resumable
 from .conditions import StopLike
 from .control import RunControl
+from .interrupt import catching, take
 from .outcome import Outcome
 from .pause import holding
+from .signal import StopSignal
 from .state import StepState
 from .types import Mode
 
@@ -55,8 +57,15 @@ class Bound:
     options: dict[str, Any]
     control: RunControl
     checkpoint: bool = False
+    interrupt: StopSignal | None = None  # stopped by Ctrl+C during the run (stop=interrupted())
 
     def __call__(self) -> Outcome:
+        if self.interrupt is not None:
+            with catching(self.interrupt):
+                return self._run()
+        return self._run()
+
+    def _run(self) -> Outcome:
         control = self.control
         # running()'s two context managers, entered here directly: every call of run() enters them
         with control, holding(control.condition, control.token, self.target):
@@ -78,6 +87,7 @@ def bind(
     checkpoint: bool = False,
 ) -> Bound:
     """Check everything that can be checked before the run and bind it (see :func:`run`)."""
+    stop, interrupt = take(stop)  # interrupted(): a signal of this run, stopped by its SIGINT handler
     # validates stop=, mode= and escalate_after= first
     control = RunControl(stop, mode=mode, on_step=on_step, escalate_after=escalate_after)
     found, foreign = resolve(target, REGISTRY, adapter)
@@ -106,7 +116,7 @@ def bind(
                 f"{', '.join(twice)} given both in kwargs= and as a keyword argument: give it once"
             )
         target_kwargs.update(kwargs)
-    return Bound(found, target, args, target_kwargs, options, control, checkpoint)
+    return Bound(found, target, args, target_kwargs, options, control, checkpoint, interrupt)
 
 
 def run(
@@ -123,7 +133,8 @@ def run(
 ) -> Outcome:
     """Run ``target(*args, **target_kwargs)`` with the stop machinery attached.
 
-    ``stop`` is a :class:`~stopcock.StopSignal`, a condition, or a list of them. ``mode="finish"``
+    ``stop`` is a :class:`~stopcock.StopSignal`, a condition, or a list of them
+    (``stopcock.interrupted()``: Ctrl+C stops the run and keeps its partial). ``mode="finish"``
     ends at the next step and returns the (partial) output the library builds; ``mode="abort"``
     abandons the run inside the model forward at the next module call. ``escalate_after=S``
     (finish mode): a stop that no step boundary has seen S seconds after it was requested (a slow
