@@ -1,7 +1,7 @@
 """stopcock: stop Hugging Face pipelines the right way.
 
 One stop signal for transformers and diffusers: stop from any thread, for any reason, within one
-step (or one block when aborting), with the reason, the step reached and the partial result.
+step (or at the next module call when aborting), with the reason, the step reached and the partial result.
 """
 
 from __future__ import annotations

@@ -554,7 +554,7 @@ class RunControl:
 @functools.cache
 def _tripwire() -> type[Tripwire]:
     """:class:`~stopcock.hooks.Tripwire`, imported at the first run that needs it (importing stopcock
-    must not import torch), once: an import statement in the run's path cost it 11 thousand instructions."""
+    must not import torch), once: an import statement would otherwise run on every run's path."""
     from .hooks import Tripwire
 
     return Tripwire
@@ -562,8 +562,7 @@ def _tripwire() -> type[Tripwire]:
 
 class _Arming:
     """The ``with`` block of :meth:`RunControl.arming` (and of :meth:`RunControl.intercept`, whose
-    tripwire it ``closes`` at the end): a class rather than a generator, as it is entered on every
-    run, where each Python call counts."""
+    tripwire it ``closes`` at the end)."""
 
     __slots__ = ("_closes", "_control", "_kind", "_wire")
 

@@ -8,7 +8,7 @@ until :meth:`Tripwire.arm` is called, from any thread, at the moment a stop beco
 tripwire on chosen modules hooks each of them; one on *every* module (``modules=None``) puts one
 hook in torch's global pre-hook dict, so arming it costs the same for a model of ten modules or
 ten thousand. Checks act only on the thread that made the tripwire, so a concurrent run in another
-thread is not touched (its module calls pay torch's hook path, about a microsecond each, while a
+thread is not touched (its module calls take torch's hook path while a
 global hook is armed); everything is removed when the ``with`` block exits. Inside a compiled graph
 (torch traces the hooks of a module compiled in place into it) the check does nothing: no thread
 can be told apart there, and no Python would run; the next module call outside a graph checks.
@@ -219,13 +219,12 @@ class _ThreadHooks:
     ``fn(module, args, kwargs)``, its result ignored; or after it, as ``fn(module, output)``, a
     result other than None replacing the output.
 
-    Not a torch hook: a module with any hook takes torch's slow call path (about 12,000 instructions
-    a call against a few hundred), and a module compiled in place (``module.compile()``) runs its
-    hooks inside the compiled call, where torch would trace ``fn`` into its graph (the thread check
-    cannot be traced: an error with ``fullgraph=True``, else a graph break and recompiled hook
-    frames). The call itself is wrapped for this thread (:func:`bound`): ``_call_impl`` (the module's
-    hooks and forward), or the compiled call of a module compiled in place, whose graph is not touched.
-    A class rather than a generator: every diffusers run enters two."""
+    Not a torch hook: a module with any hook takes torch's slow call path, and a module compiled in
+    place (``module.compile()``) runs its hooks inside the compiled call, where torch would trace ``fn``
+    into its graph (the thread check cannot be traced: an error with ``fullgraph=True``, else a graph
+    break and recompiled hook frames). The call itself is wrapped for this thread (:func:`bound`):
+    ``_call_impl`` (the module's hooks and forward), or the compiled call of a module compiled in place,
+    whose graph is not touched."""
 
     __slots__ = ("_before", "_fn", "_modules", "_stack")
 
@@ -302,7 +301,7 @@ def bound(obj: Any, name: str, wrap: Callable[[Callable[..., Any]], Callable[...
 
 
 class _Binding:
-    """:func:`bound`'s ``with`` block (a class rather than a generator: runs enter one every call)."""
+    """:func:`bound`'s ``with`` block."""
 
     __slots__ = ("_name", "_obj", "_owner", "_patch", "_previous", "_wrap")
 

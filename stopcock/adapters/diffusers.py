@@ -743,8 +743,7 @@ class _Binding:
 
 
 class _Replaced:
-    """``obj.name`` is ``value`` (an instance attribute) for the ``with`` block, then what it was.
-    A class rather than a generator: every run enters one per scheduler method."""
+    """``obj.name`` is ``value`` (an instance attribute) for the ``with`` block, then what it was."""
 
     __slots__ = ("_had_own", "_name", "_obj", "_previous", "_value")
 

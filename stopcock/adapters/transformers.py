@@ -424,8 +424,7 @@ def _plain_generate(model: Any) -> bool:
 class _TakingPart:
     """For one generate call of ``model`` with ``kwargs`` (changed in place): the criterion in the
     call's criteria list, at once or once armed (see the module docstring); ``plain``: the model's
-    generate is transformers' own (:func:`_plain_generate`, read before any binding of ours). A
-    class rather than a generator: every run enters one."""
+    generate is transformers' own (:func:`_plain_generate`, read before any binding of ours)."""
 
     def __init__(self, criteria: _RunCriteria, model: Any, kwargs: dict[str, Any], *, plain: bool) -> None:
         self.criteria, self.model, self.kwargs, self.plain = criteria, model, kwargs, plain
@@ -481,7 +480,7 @@ def _decoder_only(model: Any) -> bool:
     config = getattr(model, "config", None)
     try:
         # the instance's own attribute, read past PretrainedConfig's __getattribute__ overrides:
-        # they run Python code on every read (13 thousand instructions, as much as making the criterion)
+        # they run Python code on every read
         flag = object.__getattribute__(config, "__dict__")["is_encoder_decoder"]
     except (AttributeError, KeyError):
         flag = getattr(config, "is_encoder_decoder", False)
