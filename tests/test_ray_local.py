@@ -13,17 +13,15 @@ import pytest
 
 pytest.importorskip("ray")
 
+from ray_doubles import LocalHandle, construct  # tests/ is on sys.path under pytest
+
 from stopcock.server.backends import ImageBackend
 from stopcock.server.contract import Event, JobSpec
 from stopcock.server.jobs import Job
-from stopcock.server.ray_engine import (
-    JobRegistry,
-    LocalHandle,
-    ModelReplica,
-    ModelSpec,
-    RayEngine,
-    construct,
-)
+from stopcock.server.ray_engine.ingress import RayEngine
+from stopcock.server.ray_engine.registry import JobRegistry
+from stopcock.server.ray_engine.replica import ModelReplica
+from stopcock.server.ray_engine.wire import ModelSpec
 from stopcock.server.schemas import ImageParameters
 
 OWNER = "me"

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args, runtime_checkable
 
 from ..conditions import Condition
 from ..outcome import Outcome
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 __all__ = [
     "FINAL_STATES",
     "HELD_STATES",
+    "JOB_STATES",
     "PAUSED",
     "PREEMPTED",
     "Backend",
@@ -43,6 +44,7 @@ __all__ = [
     "InvalidJob",
     "JobNotFound",
     "JobSpec",
+    "JobState",
     "JobStateConflict",
     "JobView",
     "KindNotServed",
@@ -54,10 +56,14 @@ __all__ = [
     "job_id_of",
 ]
 
-FINAL_STATES = frozenset({"stopped", "completed", "failed"})
+#: A job's state, the same in every engine (the transitions are in the module docstring).
+JobState = Literal["queued", "running", "stopping", "paused", "preempted", "stopped", "completed", "failed"]
+JOB_STATES: tuple[JobState, ...] = get_args(JobState)
+FINAL_STATES: frozenset[JobState] = frozenset({"stopped", "completed", "failed"})
 #: A held job's state, which is also the reason its run was stopped with (its checkpoint is kept).
-PAUSED, PREEMPTED = "paused", "preempted"
-HELD_STATES = frozenset({PAUSED, PREEMPTED})
+PAUSED: Literal["paused"] = "paused"
+PREEMPTED: Literal["preempted"] = "preempted"
+HELD_STATES: frozenset[JobState] = frozenset({PAUSED, PREEMPTED})
 
 #: The OpenAI-compatible responses' ids are the job id behind one of these prefixes; a job id never
 #: starts with one (nor with ``-``, which command-line tools read as an option): see
@@ -134,7 +140,7 @@ class JobView:
 
     id: str
     kind: str
-    state: str
+    state: JobState
     step: int
     total: int | None
     reason: str | None

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.types import Receive, Scope, Send
 
-from .engine import Engine, Event, JobView
+from .contract import Engine, Event, JobView
 
 __all__ = [
     "MAX_BODY_BYTES", "ApiError", "EventStream", "Keys", "Owner", "engine_of", "error_response", "owner",

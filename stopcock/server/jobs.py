@@ -26,7 +26,18 @@ from ..files import png_base64
 from ..outcome import Outcome
 from ..signal import StopSignal
 from ..state import StepState
-from .contract import FINAL_STATES, HELD_STATES, RESPONSE_ID_PREFIXES, Event, JobSpec, JobView, Lane
+from .contract import (
+    FINAL_STATES,
+    HELD_STATES,
+    PAUSED,
+    PREEMPTED,
+    RESPONSE_ID_PREFIXES,
+    Event,
+    JobSpec,
+    JobState,
+    JobView,
+    Lane,
+)
 
 __all__ = [
     "Changes",
@@ -43,12 +54,15 @@ __all__ = [
     "summary_of_end",
     "wait_final",
     "wait_until",
+    "INTERRUPTED",
 ]
 
 log = logging.getLogger("stopcock.server")
 
 #: How a run ended: its final state, reason, Outcome summary (None: build one) and error.
-Ended = tuple[str, str, dict[str, Any] | None, str | None]
+Ended = tuple[JobState, str, dict[str, Any] | None, str | None]
+#: The end of a job whose worker was interrupted before its run returned.
+INTERRUPTED: Ended = ("failed", "error", None, "the worker was interrupted")
 
 
 def new_id() -> str:
@@ -119,7 +133,7 @@ class Job:
         self.checkpoint: Any = None  # what a held job resumes from
         self.saved_steps = 0  # steps its resumes did not recompute
         self.preemptions = 0
-        self.state = "queued"
+        self.state: JobState = "queued"
         self.step = 0
         self.total: int | None = None
         self.reason: str | None = None
@@ -316,12 +330,14 @@ def run_lane(job: Job, lane: Lane, step_delay: float = 0.0, escalate_after: floa
         job.outcome = outcome.summary()
         if held:
             job.stop_step = None  # a later stop is measured against the resumed run's own steps
-    state = outcome.reason if held else ("stopped" if outcome.stopped else "completed")
+    state: JobState = "stopped" if outcome.stopped else "completed"
+    if held:
+        state = PAUSED if outcome.reason == PAUSED else PREEMPTED
     return state, outcome.reason, outcome.summary(), None
 
 
 def summary_of_end(
-    state: str, reason: str, step: int, total: int | None, started: float | None, detail: str | None
+    state: JobState, reason: str, step: int, total: int | None, started: float | None, detail: str | None
 ) -> dict[str, Any]:
     """The Outcome summary of a job that never ran, or failed: the same shape as a run's."""
     return Outcome.without_output(
@@ -335,7 +351,7 @@ def summary_of_end(
 
 def finish(
     job: Job,
-    state: str,
+    state: JobState,
     reason: str,
     *,
     outcome: dict[str, Any] | None,
