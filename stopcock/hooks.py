@@ -28,9 +28,8 @@ over each other.
 :func:`input_hooks` (before a module call, with its arguments) and :func:`output_hooks` (after
 it: diffusers' fast-forward records the loop models' outputs) are installed at once, act only on
 the thread that installed them and are removed when the ``with`` block exits. They are not torch
-hooks but wrappers of the module's call for this thread (:func:`bound`), so the module keeps
-torch's fast path and a module compiled in place keeps its graph; :func:`bound` replaces a method
-for this thread.
+hooks but wrappers of the module's call for this thread (:func:`stopcock.binding.bound`), so the
+module keeps torch's fast path and a module compiled in place keeps its graph.
 """
 
 from __future__ import annotations
@@ -47,7 +46,9 @@ from torch import compiler, nn
 from torch.nn.modules import module as torch_module
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["Tripwire", "bound", "find_blocks", "input_hooks", "output_hooks", "pre_hooks"]
+from .binding import bound
+
+__all__ = ["Tripwire", "find_blocks", "input_hooks", "output_hooks", "pre_hooks"]
 
 _is_compiling = compiler.is_compiling  # True while torch traces a call into a graph
 
@@ -264,74 +265,6 @@ def _around(
         return output if changed is None else changed
 
     return called_after
-
-
-class _PerThread:
-    """Stands in for ``obj.<name>`` while runs have bound wrappers to it: a call made on a thread
-    with a binding goes to that thread's wrapper, any other call to the attribute as it was."""
-
-    def __init__(self, obj: Any, name: str) -> None:
-        self.obj, self.name = obj, name
-        self.own = obj.__dict__.get(name)  # an instance attribute it replaces, put back at the end
-        self.by_thread: dict[int, Callable[..., Any]] = {}
-
-    @property
-    def __wrapped__(self) -> Callable[..., Any]:
-        """The original, so ``inspect.signature`` reads its signature (diffusers reads the step's)."""
-        return self.original()
-
-    def original(self) -> Callable[..., Any]:
-        if self.own is not None:
-            return self.own  # type: ignore[no-any-return]
-        return getattr(type(self.obj), self.name).__get__(self.obj)  # type: ignore[no-any-return]
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        fn = self.by_thread.get(threading.get_ident())
-        return (fn or self.original())(*args, **kwargs)
-
-
-_BINDING = threading.Lock()
-
-
-def bound(obj: Any, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> _Binding:
-    """For the ``with`` block, calls of ``obj.<name>(...)`` made on this thread go to
-    ``wrap(original)``; calls from other threads are not touched, and concurrent bindings on other
-    threads each get their own. The attribute is as it was once the last binding ends."""
-    return _Binding(obj, name, wrap)
-
-
-class _Binding:
-    """:func:`bound`'s ``with`` block."""
-
-    __slots__ = ("_name", "_obj", "_owner", "_patch", "_previous", "_wrap")
-
-    def __init__(self, obj: Any, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-        self._obj, self._name, self._wrap = obj, name, wrap
-
-    def __enter__(self) -> None:
-        obj, name = self._obj, self._name
-        self._owner = owner = threading.get_ident()
-        with _BINDING:
-            patch = obj.__dict__.get(name)
-            if not isinstance(patch, _PerThread):
-                patch = _PerThread(obj, name)
-                object.__setattr__(obj, name, patch)
-            self._patch = patch
-            self._previous = previous = patch.by_thread.get(owner)
-            patch.by_thread[owner] = self._wrap(previous or patch.original())
-
-    def __exit__(self, *exc: object) -> None:
-        obj, name, patch, owner, previous = self._obj, self._name, self._patch, self._owner, self._previous
-        with _BINDING:
-            if previous is not None:
-                patch.by_thread[owner] = previous
-            else:
-                del patch.by_thread[owner]
-                if not patch.by_thread:
-                    if patch.own is None:
-                        del obj.__dict__[name]
-                    else:
-                        object.__setattr__(obj, name, patch.own)
 
 
 def output_hooks(

@@ -194,3 +194,41 @@ def test_callbacks_remove_each_registration_on_its_own():
 def test_the_stream_types_are_exported():
     for name in ("Stream", "AsyncStream", "TextChunk", "Step", "Done", "Event"):
         assert name in stopcock.__all__ and getattr(stopcock, name) is not None
+
+
+def test_a_class_swap_builds_its_subclass_with_the_classs_own_metaclass():
+    from diffusers import StableDiffusionPipeline
+
+    from stopcock.intercept import subclass
+
+    meta = type("Meta", (type(StableDiffusionPipeline),), {})
+    custom = meta("CustomPipeline", (StableDiffusionPipeline,), {"__module__": __name__})
+    made = subclass(custom, "probe", lambda: {"probe": True})
+    assert type(made) is meta and made.__name__ == "CustomPipeline" and made.probe
+    assert subclass(custom, "probe", lambda: {}) is made  # made once per class and key
+
+    pipe = custom(**tiny.stable_diffusion_pipeline().components)
+    assert stopcock.guard(pipe) is pipe and type(type(pipe)) is meta and isinstance(pipe, custom)
+    with pytest.raises(TypeError, match=r"stopping_criteria.*stop="):
+        pipe("a cat", num_inference_steps=1, stopping_criteria=[])
+
+
+def test_a_method_bound_for_a_thread_leaves_other_threads_and_comes_off():
+    import threading
+
+    from stopcock.binding import bound
+
+    class Counter:
+        def value(self) -> int:
+            return 1
+
+    counter = Counter()
+    seen: list[int] = []
+    with bound(counter, "value", lambda original: lambda: original() + 10):
+        with bound(counter, "value", lambda original: lambda: original() + 100):
+            seen.append(counter.value())
+        seen.append(counter.value())
+        other = threading.Thread(target=lambda: seen.append(counter.value()))
+        other.start()
+        other.join(timeout=10)
+    assert seen == [111, 11, 1] and "value" not in vars(counter) and counter.value() == 1

@@ -41,7 +41,7 @@ import math
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any, Literal, NoReturn, cast, get_args
 
 import torch
@@ -49,11 +49,12 @@ from diffusers import DiffusionPipeline, ModularPipeline
 from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
+from ..binding import bound, unbind
 from ..conditions import StopLike, refuse_row_conditions
 from ..control import Abort, Flag, RunControl
 from ..events import StreamEvents
 from ..hooks import input_hooks
-from ..intercept import intercepted
+from ..intercept import intercepted, subclass
 from ..outcome import Outcome
 from ..pipeline_facts import GENERATE_ONLY, call_honours_interrupt
 from ..previews import previewer
@@ -176,27 +177,28 @@ def _cut_short(remaining: int | None, planned: object) -> int | None:
 
 
 class _SchedulerMethod:
-    """Stands in for one method of a scheduler during a run, on the pipeline's schedulers and on the
-    copies the pipeline makes of them during the call (SkyReels V2's one per frame, LTX-2's audio
-    stream): ``family`` is the pipeline's scheduler this one is, or is a copy of."""
+    """One method of a scheduler for the run's thread (:func:`~stopcock.binding.bound`), on the
+    pipeline's schedulers and on the copies the pipeline makes of them during the call (SkyReels V2's
+    one per frame, LTX-2's audio stream): ``family`` is the pipeline's scheduler this one is, or is a
+    copy of; ``original`` the method it wraps (or an outer wrapper of it)."""
 
     method = ""  # the name of the method stood in for
 
-    def __init__(
-        self,
-        scheduler: Any,
-        binding: _Binding,
-        family: Any = None,
-        original: Callable[..., Any] | None = None,
-    ) -> None:
+    def __init__(self, scheduler: Any, binding: _Binding, family: Any, original: Callable[..., Any]) -> None:
         self.scheduler = scheduler
         self.binding = binding
-        self.family = scheduler if family is None else family
-        # The bound method (or an outer wrapper of it).
-        self.original = getattr(scheduler, self.method) if original is None else original
+        self.family = family
+        self.original = original
         # Pipelines inspect the parameters (step's generator= and eta=, set_timesteps' timesteps=).
         self.__signature__, self._positional = _signature(self.original)
-        self.owner = threading.get_ident()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError  # each method's wrapper says what a call does
+
+    @classmethod
+    def binding_for(cls, scheduler: Any, binding: _Binding) -> AbstractContextManager[None]:
+        """The ``with`` block in which ``scheduler``'s method is this wrapper on the run's thread."""
+        return bound(scheduler, cls.method, lambda original: cls(scheduler, binding, scheduler, original))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         copy = memo.get(id(self.scheduler))
@@ -214,8 +216,7 @@ class _LoopStart(_SchedulerMethod):
     method = "set_timesteps"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if threading.get_ident() == self.owner:
-            self.binding.loop_starts(self.family)
+        self.binding.loop_starts(self.family)
         return self.original(*args, **kwargs)
 
 
@@ -225,8 +226,6 @@ class _StepWrapper(_SchedulerMethod):
     method = "step"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if threading.get_ident() != self.owner:
-            return self.original(*args, **kwargs)
         binding = self.binding
         if binding.stepping is self.scheduler and binding.stopped_in is None:
             # the counted loop's next step, no stop yet: nothing to decide before it
@@ -252,7 +251,7 @@ class _Stage:
     """Stands in for a combined pipeline's stage (``prior_pipe``, ``decoder_pipe``) during a run, so
     the binding knows which stage runs and what it returned."""
 
-    def __init__(self, pipe: Any, binding: _Binding) -> None:
+    def __init__(self, pipe: Any, binding: _Binding, original: object = None) -> None:
         self._pipe = pipe
         self._binding = binding
 
@@ -403,11 +402,10 @@ class _Binding:
             for scheduler in self.schedulers():
                 for method in (_StepWrapper, _LoopStart):
                     if hasattr(scheduler, method.method):  # ScoreSdeVe's has step_pred/step_correct
-                        wrapper = method(scheduler, self)
-                        self._stack.enter_context(_Replaced(scheduler, method.method, wrapper))
+                        self._stack.enter_context(method.binding_for(scheduler, self))
             self._stack.callback(self._unwrap_copies)
             for name, stage in self.stages.items():
-                self._stack.enter_context(_Replaced(self.pipe, name, _Stage(stage, self)))
+                self._stack.enter_context(bound(self.pipe, name, functools.partial(_Stage, stage, self)))
             self._stack.enter_context(self.models.recording())
             self._stack.callback(self.models.release)
             self._stack.enter_context(self._untimed_watch)  # closed at the first scheduler step
@@ -431,8 +429,8 @@ class _Binding:
         for ref in self.copies:
             copy = ref()
             for name in ("step", "set_timesteps"):
-                if copy is not None and isinstance(vars(copy).get(name), _SchedulerMethod):
-                    del vars(copy)[name]
+                if copy is not None:
+                    unbind(copy, name)
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
         try:
@@ -742,26 +740,6 @@ class _Binding:
         )
 
 
-class _Replaced:
-    """``obj.name`` is ``value`` (an instance attribute) for the ``with`` block, then what it was."""
-
-    __slots__ = ("_had_own", "_name", "_obj", "_previous", "_value")
-
-    def __init__(self, obj: Any, name: str, value: Any) -> None:
-        self._obj, self._name, self._value = obj, name, value
-
-    def __enter__(self) -> None:
-        own = vars(self._obj)
-        self._had_own, self._previous = self._name in own, own.get(self._name)
-        own[self._name] = self._value
-
-    def __exit__(self, *exc: object) -> None:
-        if self._had_own:
-            vars(self._obj)[self._name] = self._previous
-        else:
-            vars(self._obj).pop(self._name, None)
-
-
 def _free_model_hooks(pipe: Any) -> None:
     """What a pipeline's last line does: reset cache hooks, re-arm CPU offload."""
     if hasattr(pipe, "maybe_free_model_hooks"):
@@ -956,23 +934,18 @@ def step_callback(
     return _StepStopper(stop, on_step, callback)
 
 
-_guarded: dict[type, type] = {}  # pipeline class -> its guarded subclass
-
-
 def guard(pipe: Any) -> Any:
     """Make ``pipe`` reject transformers generate() arguments (``stopping_criteria=`` ...) with a clear error.
 
     Many pipelines take ``**kwargs`` and silently ignore them. Changes the instance's class to a
-    subclass of the same name (idempotent); returns ``pipe``.
+    subclass of the same name, built by the class's own metaclass (idempotent); returns ``pipe``.
     """
     if not _is_pipeline(pipe):
         raise TypeError(f"guard() takes a diffusers pipeline, got {type(pipe).__name__}")
     cls = type(pipe)
     if not vars(cls).get("_stopcock_guarded", False):
-        if cls not in _guarded:
-            attrs = {"__call__": _guarded_call, "_stopcock_guarded": True, "__module__": cls.__module__}
-            _guarded[cls] = type(cls.__name__, (cls,), attrs)
-        pipe.__class__ = _guarded[cls]
+        attrs = {"__call__": _guarded_call, "_stopcock_guarded": True}
+        pipe.__class__ = subclass(cls, "guard", lambda: attrs)
     return pipe
 
 

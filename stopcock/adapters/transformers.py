@@ -52,10 +52,11 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.utils.chat_template_utils import is_valid_message
 
+from ..binding import bound
 from ..conditions import StopLike, refuse_row_conditions, stop_strings_of
 from ..control import Abort, RunControl
 from ..events import Event, EventMaker, Step, StreamEvents
-from ..hooks import bound, output_hooks
+from ..hooks import output_hooks
 from ..items import run_items
 from ..outcome import Outcome
 from ..state import StepState

@@ -37,6 +37,7 @@ from transformers import (
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from ..binding import bound
 from ..checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -54,7 +55,6 @@ from ..checkpoint import (
     vocab_digest,
 )
 from ..control import RunControl
-from ..hooks import bound
 from ..outcome import Outcome
 from .transformers import TransformersAdapter, _RunCriteria, _Settings
 
