@@ -33,11 +33,12 @@ from diffusers import DiffusionPipeline
 
 from ..binding import unbind
 from ..conditions import refuse_row_conditions
-from ..control import Abort, Flag, RunControl
+from ..control import Abort, RunControl
 from ..hooks import input_hooks
 from ..intercept import intercepted
 from ..outcome import Outcome
 from ..types import PARTIALS, Partial, choice
+from ..wires import Flag
 from .diffusers_loop import LoopModels
 from .diffusers_parts import (
     FastForward,
