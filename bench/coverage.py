@@ -69,6 +69,8 @@ class Coverage:
     library: str
     checks: tuple[str, ...]
     rows: list[Row] = field(default_factory=list)
+    unit: str = "pipelines"  # what a row is
+    every_row: bool = False  # list each row with its checks (a short list), not only the missed ones
 
     def missed(self, row: Row) -> bool:
         """Whether a pipeline that ran failed a check (one that does not apply is not failed)."""
@@ -76,7 +78,7 @@ class Coverage:
 
     def report(self) -> str:
         """Markdown: counts per category, then each pipeline that missed something, with the reason."""
-        head = ["category", "pipelines", "built offline", "ran here", *self.checks]
+        head = ["category", self.unit, "built offline", "ran here", *self.checks]
         lines = [f"## {self.library}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         categories = sorted({r.category for r in self.rows})
         for category in [*categories, "all"]:
@@ -91,6 +93,14 @@ class Coverage:
             lines.append(f"| {label} | " + " | ".join(map(str, cells)) + " |")
         paths = Counter(r.path for r in self.rows if r.stage == "ran" and r.path)
         lines += ["", "Stopped runs by path: " + ", ".join(f"{p} {n}" for p, n in sorted(paths.items()))]
+        if self.every_row:
+            head = ["case", "path", *self.checks, "note"]
+            lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+            for r in self.rows:
+                ran = r.stage == "ran"
+                marks = [("yes" if r.checks.get(c) else "NO") if ran else "-" for c in self.checks]
+                note = r.reason.replace("|", "/").replace("\n", " ")[:160]
+                lines.append(f"| {r.name} | {r.category} | " + " | ".join(marks) + f" | {note} |")
         missed = [r for r in self.rows if r.stage != "ran" or self.missed(r)]
         if missed:
             lines += ["", "| pipeline | category | got to | missed | reason |", "|---|---|---|---|---|"]
@@ -413,7 +423,7 @@ def transformers_coverage(args: argparse.Namespace) -> Coverage:
     from . import coverage_transformers as half
 
     checks = ("stopped at the step", "zero tokens after the request", "non-empty partial output")
-    coverage = Coverage("transformers", checks)
+    coverage = Coverage("transformers", checks, unit="cases", every_row=True)
     for r in half.coverage():
         coverage.rows.append(
             Row(r.case, r.path, stage="ran" if r.built else "not built offline",

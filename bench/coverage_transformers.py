@@ -6,6 +6,11 @@ For each tiny case (``tiny.text.task_case``): a full run, then a run stopped fro
 step 5; it counts when the stop took effect (``steps`` = 5), when the model made zero forwards
 after the request (no token after it), and when the partial output is non-empty.
 
+The models whose ``generate`` needs more than a criterion are also run directly (not through a
+pipeline), with the same three checks: MusicGen (the conditional model and its decoder alone), whose
+delay pattern raises on an early end, and SpeechT5, whose own loop skips its stop head until
+``minlenratio=``'s minimum.
+
 ``python -m bench.coverage_transformers`` prints one line per case and a summary line, and exits 1
 if a case that builds misses one of the three.
 """
@@ -92,11 +97,86 @@ def measure(name: str) -> Row:
     return row
 
 
+@dataclass
+class Direct:
+    """A model's ``generate`` called directly: the model, its arguments, and the module that makes
+    one forward a step."""
+
+    model: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    stepper: Any
+
+
+def _direct(name: str) -> Direct:
+    import torch
+
+    from tiny import text
+
+    if name.startswith("Musicgen"):
+        pipe = text.musicgen_pipeline()
+        model = pipe.model
+        settings = {"max_new_tokens": text.CASE_TOKENS, "do_sample": False}
+        if name.startswith("MusicgenForCausalLM"):  # the decoder alone: its 4 codebooks start at the pad code
+            codes = {"input_ids": torch.full((4, 1), 64), "num_return_sequences": 1}
+            return Direct(model.decoder, (), {**codes, **settings}, model.decoder)
+        return Direct(model, (), {**dict(pipe.tokenizer(["a calm tune"], return_tensors="pt")), **settings},
+                      model.decoder)
+    pipe, speaker = text.speecht5_pipeline()
+    ids = pipe.tokenizer(["hello world"], return_tensors="pt")["input_ids"]
+    kwargs = {"speaker_embeddings": speaker, "vocoder": pipe.vocoder, "minlenratio": 6.0}
+    return Direct(pipe.model, (ids,), kwargs, pipe.model.speech_decoder_postnet.prob_out)
+
+
+#: Models run directly: their paths differ from a pipeline's (see the module docstring).
+DIRECT_CASES = (
+    "MusicgenForConditionalGeneration.generate",
+    "MusicgenForCausalLM.generate",
+    "SpeechT5ForTextToSpeech.generate (minlenratio=6)",
+)
+
+
+def measure_direct(name: str) -> Row:
+    import torch
+
+    import stopcock
+
+    torch.manual_seed(0)
+    case = _direct(name)
+    path = "stop-probability head of its own loop" if name.startswith("SpeechT5") else (
+        "criterion in generate's list; delay pattern ended at the stop"
+    )
+    row = Row(name, path, built=True)
+    signal, seen = stopcock.StopSignal(), {"forwards": 0, "at_request": None}
+
+    def count(module: Any, args: Any, out: Any) -> None:
+        seen["forwards"] += 1
+
+    def on_step(state: Any) -> None:
+        if state.step == AT and seen["at_request"] is None:
+            seen["at_request"] = seen["forwards"]
+            signal.stop("button")
+
+    hook = case.stepper.register_forward_hook(count)
+    try:
+        outcome = stopcock.run(case.model, *case.args, kwargs=case.kwargs, stop=signal, on_step=on_step)
+    finally:
+        hook.remove()
+    row.stopped = outcome.stopped and outcome.steps == AT and outcome.mode == "finish"
+    row.zero_after = seen["at_request"] is not None and seen["forwards"] == seen["at_request"]
+    output = outcome.output
+    row.non_empty = isinstance(output, torch.Tensor) and output.numel() > 0 and output.shape[-1] > 0
+    row.note = outcome.detail or ""
+    return row
+
+
 def coverage() -> list[Row]:
-    """One row per tiny case, and one per generating task of transformers that has none."""
+    """One row per tiny case and per model run directly, and one per generating task of
+    transformers that has no tiny case."""
     from tiny.text import TASK_CASES
 
     rows = [measure(name) for name in TASK_CASES]
+    rows += [measure_direct(name) for name in DIRECT_CASES]
     covered = {name.split(" ")[0] for name in TASK_CASES}
     rows += [
         Row(task, "-", built=False, note="no tiny build")
@@ -116,10 +196,11 @@ def report(rows: list[Row]) -> str:
         lines.append(f"| {r.case} | {r.path} | {' | '.join(marks)} |" + (f" {r.note}" if r.note else ""))
     built = [r for r in rows if r.built]
     ok = sum(r.ok for r in built)
-    tasks = len({r.case.split(" ")[0] for r in rows})
+    tasks = len({r.case.split(" ")[0] for r in rows if r.case not in DIRECT_CASES})
     lines.append(
-        f"transformers: {ok}/{len(built)} tiny cases of {tasks} generating tasks stop with zero tokens after"
-        f" the request and a non-empty partial output ({len(rows) - len(built)} tasks without a tiny build)"
+        f"transformers: {ok}/{len(built)} tiny cases ({tasks} generating tasks, {len(DIRECT_CASES)} models"
+        f" called directly) stop with zero tokens after the request and a non-empty partial output"
+        f" ({len(rows) - len(built)} tasks without a tiny build)"
     )
     return "\n".join(lines)
 

@@ -131,13 +131,49 @@ def test_stc002_fires_on_a_flag_set_before_the_call_that_resets_it():
 
 
 @pytest.mark.parametrize(
+    ("source", "where"),
+    [
+        # a Stop button's handler, on a class that honours the flag
+        (SD + "def stop():\n    pipe._interrupt = True", "in stop()"),
+        # a watcher thread
+        (
+            SD + "import threading\ndef watch(event):\n    event.wait()\n    pipe._interrupt = True\n"
+            "threading.Thread(target=watch, args=(ev,)).start()",
+            "in watch()",
+        ),
+        # a Gradio handler written as a lambda
+        (SD + "stop_button.click(fn=lambda: setattr(pipe, '_interrupt', True))", "in a lambda"),
+        # a pipeline kept on an object, its class known only at run time
+        (
+            "from diffusers import DiffusionPipeline\nclass App:\n    def __init__(self):\n"
+            "        self.pipe = DiffusionPipeline.from_pretrained('x')\n"
+            "    def cancel(self):\n        self.pipe._interrupt = True",
+            "in cancel()",
+        ),
+        # module code between two calls
+        (SD + "pipe('a')\nif cancelled:\n    pipe._interrupt = True", "at module level"),
+    ],
+)
+def test_stc002_fires_on_a_flag_set_outside_a_step_callback(source, where):
+    assert [c for _, c in found(source)] == ["STC002"]
+    (message,) = messages(source, "STC002")
+    assert f"outside a step callback ({where})" in message and "_interrupt = False" in message
+    assert "StopSignal" in message and "stopcock.run(pipe, ..., stop=signal)" in message
+
+
+@pytest.mark.parametrize(
     "source",
     [
         # the documented pattern, on a pipeline that honours it
         SD + "def cb(p, i, t, kw):\n    if i == 5:\n        p._interrupt = True\n    return kw\n"
         "pipe('a', callback_on_step_end=cb)",
-        # a stop button from another thread, honouring class
-        SD + "def stop():\n    pipe._interrupt = True",
+        # a callback given elsewhere (a callback's four arguments), on the global pipeline
+        SD + "def cb(p, i, t, kw):\n    pipe._interrupt = True\n    return kw",
+        # a callback given here, on the global pipeline: read during the call
+        SD + "def cb(p, i, t, kw):\n    if i == 5:\n        pipe._interrupt = True\n    return kw\n"
+        "pipe('a', callback_on_step_end=cb)",
+        # a method with a callback's arguments after self
+        SD + "class S:\n    def cb(self, p, i, t, kw):\n        pipe._interrupt = True\n        return kw",
         # unknown class: not judged
         "from diffusers import DiffusionPipeline\np = DiffusionPipeline.from_pretrained('x')\n"
         "def cb(pl, i, t, kw):\n    pl._interrupt = True\n    return kw\np('a', callback_on_step_end=cb)",
@@ -445,6 +481,68 @@ def test_stc007_fires_on_a_criteria_built_once_and_reused(source):
 
 
 @pytest.mark.parametrize(
+    ("source", "why"),
+    [
+        # at module level, used by a function others call (a library's helper)
+        (
+            MODEL + "criteria = StoppingCriteriaList([MaxTimeCriteria(30)])\ndef reply(ids):\n"
+            "    return model.generate(ids, stopping_criteria=criteria)",
+            "reply is called from outside this file",
+        ),
+        # ... called twice, or in a loop
+        (
+            MODEL + "limit = MaxTimeCriteria(30)\ndef reply(ids):\n"
+            "    return model.generate(ids, stopping_criteria=[limit])\nreply(a)\nreply(b)",
+            "reply is called on lines",
+        ),
+        (
+            MODEL + "criteria = StoppingCriteriaList([MaxTimeCriteria(30)])\ndef reply(ids):\n"
+            "    return model.generate(ids, stopping_criteria=criteria)\nfor x in xs:\n    reply(x)",
+            "reply is called in the loop on line",
+        ),
+        # ... used by a method
+        (
+            MODEL + "criteria = StoppingCriteriaList([MaxTimeCriteria(30)])\nclass Bot:\n"
+            "    def reply(self, ids):\n        return model.generate(ids, stopping_criteria=criteria)",
+            "reply is a method",
+        ),
+        # an empty list that a MaxTimeCriteria is appended to, in __init__
+        (
+            MODEL + "class Bot:\n    def __init__(self):\n        self.criteria = StoppingCriteriaList()\n"
+            "        self.criteria.append(MaxTimeCriteria(5))\n"
+            "    def reply(self, ids):\n        return model.generate(ids, stopping_criteria=self.criteria)",
+            "kept on the object",
+        ),
+        # ... at module level, with extend, used in a loop
+        (
+            MODEL + "criteria = StoppingCriteriaList()\ncriteria.extend([MaxTimeCriteria(5)])\n"
+            "for p in prompts:\n    model.generate(p, stopping_criteria=criteria)",
+            "outside the loop",
+        ),
+        # a class attribute
+        (
+            MODEL + "class Bot:\n    criteria = StoppingCriteriaList([MaxTimeCriteria(5)])\n"
+            "    def reply(self, ids):\n        return model.generate(ids, stopping_criteria=self.criteria)",
+            "kept on the object",
+        ),
+        # built in __init__, given through a dict of generation arguments for a streaming thread
+        (
+            MODEL + "from threading import Thread\nclass Bot:\n    def __init__(self):\n"
+            "        self.criteria = StoppingCriteriaList([MaxTimeCriteria(5)])\n"
+            "    def reply(self, ids, streamer):\n"
+            "        kwargs = {'input_ids': ids, 'streamer': streamer, 'stopping_criteria': self.criteria}\n"
+            "        Thread(target=model.generate, kwargs=kwargs).start()",
+            "kept on the object",
+        ),
+    ],
+)
+def test_stc007_fires_on_a_criteria_built_once_at_module_level_or_in_init(source, why):
+    assert [c for _, c in found(source)] == ["STC007"]
+    (message,) = messages(source, "STC007")
+    assert why in message and "build it per call" in message and "stopcock.timeout" in message
+
+
+@pytest.mark.parametrize(
     "source",
     [
         MODEL + "for p in prompts:\n    criteria = StoppingCriteriaList([MaxTimeCriteria(30)])\n"
@@ -458,6 +556,21 @@ def test_stc007_fires_on_a_criteria_built_once_and_reused(source):
         MODEL + "class Bot:\n    def reply(self, ids):\n"
         "        self.c = StoppingCriteriaList([MaxTimeCriteria(5)])\n"
         "        return model.generate(ids, stopping_criteria=self.c)",
+        # a list grown with a fresh MaxTimeCriteria in the function that uses it
+        MODEL + "def reply(ids):\n    criteria = StoppingCriteriaList()\n"
+        "    criteria.append(MaxTimeCriteria(5))\n"
+        "    return model.generate(ids, stopping_criteria=criteria)\n"
+        "for x in xs:\n    reply(x)",
+        # a module-level list grown with something else
+        MODEL + "criteria = StoppingCriteriaList()\ncriteria.append(Custom())\n"
+        "def reply(ids):\n    return model.generate(ids, stopping_criteria=criteria)",
+        # a dict literal built per call
+        MODEL + "def reply(ids):\n"
+        "    kw = {'stopping_criteria': StoppingCriteriaList([MaxTimeCriteria(5)])}\n"
+        "    return model.generate(ids, **kw)",
+        # a class attribute that holds something else
+        MODEL + "class Bot:\n    criteria = StoppingCriteriaList([Custom()])\n"
+        "    def reply(self, ids):\n        return model.generate(ids, stopping_criteria=self.criteria)",
     ],
 )
 def test_stc007_stays_quiet_on_a_fresh_criteria_per_call(source):

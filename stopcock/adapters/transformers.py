@@ -511,6 +511,12 @@ def _run_generate(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], con
     settings = _Settings(kwargs, model)
     prompt = _prompt(args, kwargs)
     decoder_only = _decoder_only(model)
+    head, delayed = _stop_head(model), _delaying(model)
+    notes: list[str] = []
+    note = notes.append
+    fields: dict[str, Any] = {}
+    if head is not None or delayed is not None:
+        refuse_row_conditions(control.condition, f"a {type(model).__name__}, which makes no text")
     # a decoder-only model continues the prompt; an encoder-decoder starts its own decoder ids
     criteria = _make_criteria(control, kwargs.get("tokenizer"))
     _configure(criteria, settings, prompt.shape[-1] if decoder_only and prompt is not None else None)
@@ -522,8 +528,12 @@ def _run_generate(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], con
     start = prompt if decoder_only or prompt is None else prompt[:, :0]
     if control.check():
         output, aborted = start, False
+    elif head is not None:  # a loop of its own (SpeechT5): no criteria, its stop head ends it
+        with _OwnLoop(model, head, criteria, settings, kwargs, note):
+            output, aborted = _guarded(control, lambda: model.generate(*args, **kwargs))
     else:
-        with _TakingPart(criteria, model, kwargs, plain=_plain_generate(model)):
+        codebooks = nullcontext() if delayed is None else _padding_codebooks(delayed, criteria, control, note)
+        with _TakingPart(criteria, model, kwargs, plain=_plain_generate(model)), codebooks:
             with control.arming(criteria) if criteria.may_wait else nullcontext():
                 output, aborted = _guarded(control, lambda: model.generate(*args, **kwargs), criteria, model)
         if aborted:
@@ -531,13 +541,21 @@ def _run_generate(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], con
         else:
             criteria.returned(output)
     _end_streamer(kwargs.get("streamer"), criteria, aborted)
+    detail = "; ".join(([_ABORTED] if aborted else []) + notes) or None
+    if aborted:  # in finish mode too, where a finish could not end well (MusicGen before its first frame)
+        fields["mode"] = "abort"
     sequences = getattr(output, "sequences", output)
-    if isinstance(sequences, torch.Tensor):
+    if head is not None:  # a spectrogram or a waveform: no token rows to read reasons from
+        return _outcome(control, None, output, aborted, detail=detail, **fields)
+    if delayed is not None and criteria.last_ids is not None:
+        # the codebooks' rows (or the audio) of each item: the reasons are read from its first codebook
+        criteria.row_reasons = criteria.reasons(criteria.last_ids[:: delayed.num_codebooks])
+    elif isinstance(sequences, torch.Tensor):
         criteria.row_reasons = criteria.reasons(sequences)
         if criteria.rows_per_item > 1:  # beam search: the rows returned for an item end with the item
             per_item = int(settings.get("num_return_sequences") or 1)
             criteria.row_reasons = _item_reasons(criteria.row_reasons, per_item)
-    return _outcome(control, criteria, output, aborted, detail=_ABORTED if aborted else None)
+    return _outcome(control, criteria, output, aborted, detail=detail, **fields)
 
 
 def _item_reasons(reasons: list[str], per_item: int) -> list[str]:
@@ -586,6 +604,125 @@ def _many(inputs: Any) -> tuple[Iterable[Any], int | None] | None:
     return None
 
 
+class _OwnLoop:
+    """For one call of a ``generate`` with its own loop that ends when a stop-probability head says
+    so (SpeechT5): each call of the head is a step; to stop, the head says stop for every row.
+
+    ``minlenratio=`` makes that loop skip its head until a minimum length, so a stop would wait for
+    it: the minimum is kept here instead (the call runs with ``minlenratio=0``, ``kwargs`` changed in
+    place, and the head says "go on" for every row until the minimum), and a stop ends the loop at
+    once. The minimum is the loop's own: the encoder's output length times the ratio, over the
+    reduction factor, read from the call's encoder output.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        head: torch.nn.Module,
+        criteria: _RunCriteria,
+        settings: _Settings,
+        kwargs: dict[str, Any],
+        note: Callable[[str], None],
+    ) -> None:
+        self.head, self.criteria = head, criteria
+        self.factor = getattr(model.config, "reduction_factor", 1)
+        threshold = settings.get("threshold")
+        threshold = 0.5 if threshold is None else float(threshold)  # the loop's default
+        if threshold > self.factor:
+            note(f"threshold={threshold} is more than the stop head can reach ({self.factor}): it cannot end"
+                 " the loop, so a stop waits for the loop's own end")
+        ratio = float(settings.get("minlenratio") or 0.0)
+        most = settings.get("maxlenratio")
+        self.encoder = _submodule(_submodule(model, "speecht5"), "encoder")
+        # the head's "go on" is below any positive threshold; a minimum past the maximum is the loop's
+        self.ratio = ratio if threshold > 0 and (most is None or ratio <= float(most)) else 0.0
+        if ratio and not self.ratio:
+            note(f"minlenratio={ratio} with this threshold or maxlenratio: a stop waits for the minimum")
+        elif self.ratio:
+            kwargs["minlenratio"] = 0.0
+        self.least = 0  # the minimum length in steps, once the encoder has run
+        self.bindings: list[AbstractContextManager[None]] = []
+
+    def __enter__(self) -> None:
+        criteria = self.criteria
+        criteria.prompt_len = criteria.new = 0
+        self.least = 0
+
+        def each_step(module: torch.nn.Module, output: torch.Tensor) -> torch.Tensor | None:
+            criteria.new += 1
+            if criteria.step():
+                return torch.full_like(output, 1e4)
+            return torch.full_like(output, -1e4) if criteria.new < self.least else None
+
+        def encoded(module: torch.nn.Module, output: Any) -> None:
+            hidden = output[0] if isinstance(output, (tuple, list)) else output.last_hidden_state
+            self.least = int(hidden.shape[1] * self.ratio / self.factor)
+
+        self.bindings = [output_hooks([self.head], each_step)]
+        if self.ratio and self.encoder is not None:
+            self.bindings.append(output_hooks([self.encoder], encoded))
+        for binding in self.bindings:
+            binding.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            for binding in reversed(self.bindings):
+                binding.__exit__(None, None, None)
+        finally:
+            self.criteria.last_ids = torch.zeros(1, self.criteria.new)  # the steps made, for the next count
+
+
+def _delaying(model: Any) -> Any:
+    """The model (or its decoder) that builds MusicGen's delay pattern (see :func:`_padding_codebooks`)."""
+    for candidate in (model, _submodule(model, "decoder")):
+        if hasattr(type(candidate), "build_delay_pattern_mask"):
+            return candidate
+    return None
+
+
+@contextmanager
+def _padding_codebooks(
+    decoder: Any, criteria: _RunCriteria, control: RunControl, note: Callable[[str], None]
+) -> Iterator[None]:
+    """MusicGen's delay pattern offsets codebook k by k steps, and its mask, built for the full
+    length, pads each codebook's tail there; its own ending raises on a shorter output. When a
+    stop ends it early, the mask MusicGen keeps for that call gets the same tail padding at the
+    length reached, so the output holds the frames that are complete in every codebook."""
+    kept: list[tuple[torch.Tensor, Any]] = []  # the call's mask, and the pad id it uses
+
+    def keep(build: Callable[..., Any]) -> Callable[..., Any]:
+        def build_and_keep(input_ids: torch.Tensor, pad_token_id: Any, max_length: Any = None) -> Any:
+            ids, mask = build(input_ids, pad_token_id, max_length=max_length)
+            if not kept:
+                kept.append((mask, pad_token_id))
+            return ids, mask
+
+        return build_and_keep
+
+    def end_at(input_ids: torch.Tensor) -> None:
+        if not kept:
+            return
+        mask, pad = kept[0]
+        length, codebooks = input_ids.shape[-1], decoder.num_codebooks
+        stereo = getattr(decoder.config, "audio_channels", 1) == 2
+        delays = codebooks // 2 if stereo else codebooks
+        if length <= delays:  # MusicGen's decoder raises on zero frames: end here, with no audio
+            note(f"stopped before the first audio frame was complete in all {delays} codebooks"
+                 f" ({delays} steps): aborted, no audio")
+            raise Abort(control)
+        by_codebook = mask.view(-1, codebooks, mask.shape[-1])
+        for codebook in range(codebooks):
+            delay = codebook // 2 if stereo else codebook
+            by_codebook[:, codebook, max(0, length - (delays - 1 - delay)) : length] = pad
+
+    with bound(decoder, "build_delay_pattern_mask", keep):
+        criteria.ended_early = end_at
+        try:
+            yield
+        finally:
+            criteria.ended_early = None
+
+
 class _PipelineRun:
     """One run of a pipeline: the criterion bound to its model's generate, the items, the Outcome."""
 
@@ -603,7 +740,7 @@ class _PipelineRun:
         if not generates(pipe):
             refuse_row_conditions(control.condition, f"a {type(pipe).__name__}")
             return
-        self.head, self.delayed = _stop_head(self.model), self._delaying(self.model)
+        self.head, self.delayed = _stop_head(self.model), _delaying(self.model)
         text_out = "text" in (getattr(self.model, "output_modalities", None) or ())
         if not text_out or self.head is not None:
             refuse_row_conditions(control.condition, f"a {type(pipe).__name__}, whose model makes no text")
@@ -634,7 +771,7 @@ class _PipelineRun:
             _configure(criteria, settings, prompt_len)
             head = self.head
             if head is not None:
-                with self._own_loop(head, settings):
+                with self._own_loop(head, settings, kwargs):
                     result = generate(*args, **kwargs)
             else:
                 if criteria.limit is not None and self.calls is not None:
@@ -671,81 +808,17 @@ class _PipelineRun:
         if note not in self.notes:
             self.notes.append(note)
 
-    @contextmanager
-    def _own_loop(self, head: torch.nn.Module, settings: _Settings) -> Iterator[None]:
-        """A generate with its own loop that ends when a stop-probability head says so (SpeechT5):
-        each call of the head is a step; to stop, the head says stop for every row."""
-        criteria = self.criteria
-        assert criteria is not None
-        threshold = settings.get("threshold")
-        factor = getattr(self.model.config, "reduction_factor", 1)
-        if threshold is not None and threshold > factor:
-            self._note(f"threshold={threshold} is more than the stop head can reach ({factor}): it cannot end"
-                       " the loop, so a stop waits for the loop's own end")
-        if settings.get("minlenratio"):
-            self._note("minlenratio= makes the loop ignore its stop head at first: a stop waits for it")
-        criteria.prompt_len = criteria.new = 0
-
-        def each_step(module: torch.nn.Module, output: torch.Tensor) -> torch.Tensor | None:
-            criteria.new += 1
-            return torch.full_like(output, 1e4) if criteria.step() else None
-
-        with output_hooks([head], each_step):
-            yield
-        criteria.last_ids = torch.zeros(1, criteria.new)  # the steps made, for the next call's count
-
-    @staticmethod
-    def _delaying(model: Any) -> Any:
-        """The model (or its decoder) that builds MusicGen's delay pattern (see :meth:`_delay_pattern`)."""
-        for candidate in (model, _submodule(model, "decoder")):
-            if hasattr(type(candidate), "build_delay_pattern_mask"):
-                return candidate
-        return None
+    def _own_loop(self, head: torch.nn.Module, settings: _Settings, kwargs: dict[str, Any]) -> _OwnLoop:
+        assert self.criteria is not None
+        return _OwnLoop(self.model, head, self.criteria, settings, kwargs, self._note)
 
     def _delay_pattern(self) -> AbstractContextManager[None]:
-        """MusicGen's delay pattern offsets codebook k by k steps, and its mask, built for the full
-        length, pads each codebook's tail there; its own ending raises on a shorter output. When a
-        stop ends it early, the mask MusicGen keeps for that call gets the same tail padding at the
-        length reached, so the output holds the frames that are complete in every codebook."""
+        """See :func:`_padding_codebooks`."""
         decoder = self.delayed
-        return nullcontext() if decoder is None else self._padding_codebooks(decoder)
-
-    @contextmanager
-    def _padding_codebooks(self, decoder: Any) -> Iterator[None]:
-        kept: list[tuple[torch.Tensor, Any]] = []  # the call's mask, and the pad id it uses
-
-        def keep(build: Callable[..., Any]) -> Callable[..., Any]:
-            def build_and_keep(input_ids: torch.Tensor, pad_token_id: Any, max_length: Any = None) -> Any:
-                ids, mask = build(input_ids, pad_token_id, max_length=max_length)
-                if not kept:
-                    kept.append((mask, pad_token_id))
-                return ids, mask
-
-            return build_and_keep
-
-        def end_at(input_ids: torch.Tensor) -> None:
-            if not kept:
-                return
-            mask, pad = kept[0]
-            length, codebooks = input_ids.shape[-1], decoder.num_codebooks
-            stereo = getattr(decoder.config, "audio_channels", 1) == 2
-            delays = codebooks // 2 if stereo else codebooks
-            if length <= delays:  # MusicGen's decoder raises on zero frames: end here, with no audio
-                self._note(f"stopped before the first audio frame was complete in all {delays} codebooks"
-                           f" ({delays} steps): aborted, no audio")
-                raise Abort(self.control)
-            by_codebook = mask.view(-1, codebooks, mask.shape[-1])
-            for codebook in range(codebooks):
-                delay = codebook // 2 if stereo else codebook
-                by_codebook[:, codebook, max(0, length - (delays - 1 - delay)) : length] = pad
-
         assert self.criteria is not None
-        with bound(decoder, "build_delay_pattern_mask", keep):
-            self.criteria.ended_early = end_at
-            try:
-                yield
-            finally:
-                self.criteria.ended_early = None
+        if decoder is None:
+            return nullcontext()
+        return _padding_codebooks(decoder, self.criteria, self.control, self._note)
 
     def answered(self, results: list[Any]) -> list[Any]:
         """``results`` with the answers a stop left open given their text so far.

@@ -7,7 +7,7 @@ pipelines from ``X.from_pretrained``/``from_single_file``/``from_pipe``/``X(...)
 ``DiffusionPipeline``; ``transformers.pipeline(...)``; transformers models from ``from_pretrained``,
 and wrapped by peft (``get_peft_model(model, ...)``, ``PeftModel.from_pretrained(model, ...)``: their
 ``generate`` is the model's); streamers and ``MaxTimeCriteria``; ``self.attr`` assigned in the methods
-of one class; parameter annotations.
+of one class, or in its body; parameter annotations.
 """
 
 from __future__ import annotations
@@ -321,12 +321,18 @@ class Resolver:
 
     def _self_attribute(self, attr: str, scope: Scope, seen: frozenset[object]) -> Value | object | None:
         owner = self._method_class(scope)
-        if owner is None or attr not in owner.attrs:
+        if owner is None:
             return None
         key = ("self", attr, id(owner))
         if key in seen:
             return _SELF
         seen = seen | {key}
+        if attr not in owner.attrs:  # a class attribute, assigned in the class body only
+            body = owner.bindings.get(attr, [])
+            defined = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+            if not body or any(isinstance(b, defined) for b in body):
+                return None
+            return _combine(self._binding(source, attr, seen) for source in body)
         return _combine(
             None
             if isinstance(expr, ast.Attribute) and isinstance(expr.ctx, ast.Store)  # unpacked: unknown

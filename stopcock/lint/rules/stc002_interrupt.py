@@ -14,11 +14,20 @@ FIX = (
     " or callback_on_step_end=stopcock.step_callback(signal)"
 )
 
+OUTSIDE_FIX = (
+    "keep a stopcock.StopSignal, call signal.stop() from the handler or thread, and run the pipeline"
+    " with stopcock.run(pipe, ..., stop=signal) or inside `with stopcock.attach(pipe, signal):`, which"
+    " hold the stop until a run ends and stop any pipeline"
+)
+
 
 class InterruptIgnored(Rule):
     code = "STC002"
     name = "interrupt-ignored"
-    summary = "`_interrupt` set on a pipeline that never reads it, or set before the call that resets it"
+    summary = (
+        "`_interrupt` set on a pipeline that never reads it, before the call that resets it, or outside"
+        " a step callback"
+    )
     explanation = """
         Diffusers' interrupt is a flag that some denoising loops check at every step
         (`if self.interrupt: continue`). About 40 pipelines never read it (Kandinsky 2.2 and 3, LCM,
@@ -32,6 +41,15 @@ class InterruptIgnored(Rule):
         so a flag set before the call (from a Stop button pressed between runs, or just before calling)
         is lost. Fires when the assignment is followed, in the same function, by a call of the same
         pipeline.
+
+        Set outside a step callback (a Stop button's handler, a watcher thread, a signal handler, module
+        code between two calls), the flag races the call: pressed before the call starts or between two
+        calls, the reset at the start of the next call erases it; pressed during a call, only the
+        pipelines that check the flag read it. Fires on such an assignment to a pipeline object (a
+        known class that honours the flag, or one known only at run time), in a function that is not
+        given as a step callback and does not take a callback's four arguments. The fix is a
+        `StopSignal` that the handler stops and the run is given: `stopcock.run(pipe, ..., stop=signal)`
+        or `with stopcock.attach(pipe, signal):` keep the stop until a run ends, whichever pipeline it is.
 
         Not fixed automatically: the flag does nothing today, so every rewrite that makes the stop work
         changes what the program does (a run that completes today would stop).
@@ -61,16 +79,13 @@ class InterruptIgnored(Rule):
         for call, _keyword, function in module.callback_sites():
             callbacks.setdefault(function, []).append(call)
         for node in ast.walk(module.tree):
-            if not isinstance(node, ast.Assign) or not _sets_flag(node):
-                continue
-            for target in node.targets:
-                if isinstance(target, ast.Attribute) and target.attr == "_interrupt":
-                    finding = self._judge(module, node, target.value, callbacks)
-                    if finding is not None:
-                        yield finding
+            for obj in _flag_set_on(node):
+                finding = self._judge(module, node, obj, callbacks)
+                if finding is not None:
+                    yield finding
 
     def _judge(
-        self, module: Module, node: ast.Assign, obj: ast.expr, callbacks: dict[FunctionNode, list[ast.Call]]
+        self, module: Module, node: ast.AST, obj: ast.expr, callbacks: dict[FunctionNode, list[ast.Call]]
     ) -> Finding | None:
         value = module.value(obj)
         function = module.resolver.enclosing_function(node)
@@ -93,19 +108,63 @@ class InterruptIgnored(Rule):
         if facts is not None and not facts.resets_interrupt:
             return None
         later = _later_call(module, node, obj)
-        if later is None:
-            return None
+        if later is not None:
+            return module.finding(
+                self,
+                node,
+                f"this `_interrupt = True` is lost: {module.text(obj)}(...) on line {later.lineno}"
+                f" starts by setting"
+                f" `_interrupt = False`; {FIX}",
+            )
+        if function is not None and (function in callbacks or _looks_like_callback(function)):
+            return None  # inside a step callback: read by the loop that called it
+        scope = next((a for a in module.resolver.ancestors(node) if isinstance(a, SCOPES)), None)
+        where = (
+            "in a lambda"
+            if isinstance(scope, ast.Lambda)
+            else f"in {function.name}()"
+            if function is not None
+            else "at module level"
+        )
         return module.finding(
             self,
             node,
-            f"this `_interrupt = True` is lost: {module.text(obj)}(...) on line {later.lineno}"
-            f" starts by setting"
-            f" `_interrupt = False`; {FIX}",
+            f"`{module.text(obj)}._interrupt = True` set outside a step callback ({where}): every call of"
+            " the pipeline starts by setting `_interrupt = False`, so a stop that lands before the call"
+            " or between two calls is lost, and one during a call is read only by the pipelines whose"
+            f" loop checks the flag; {OUTSIDE_FIX}",
         )
 
 
-def _sets_flag(node: ast.Assign) -> bool:
-    return isinstance(node.value, ast.Constant) and bool(node.value.value) is True
+def _looks_like_callback(function: FunctionNode) -> bool:
+    """A function with a step callback's arguments (pipeline, step, timestep, callback_kwargs; after
+    ``self`` for a method), given to a pipeline somewhere this file does not show."""
+    positional = [a.arg for a in function.args.posonlyargs + function.args.args]
+    if positional and positional[0] in ("self", "cls"):
+        positional = positional[1:]
+    return len(positional) == 4 or (len(positional) == 3 and function.args.kwarg is not None)
+
+
+def _flag_set_on(node: ast.AST) -> list[ast.expr]:
+    """The objects whose ``_interrupt`` ``node`` sets to a true constant: ``obj._interrupt = True``
+    or ``setattr(obj, "_interrupt", True)`` (the form a lambda handler takes)."""
+    if isinstance(node, ast.Assign) and _truthy(node.value):
+        return [t.value for t in node.targets if isinstance(t, ast.Attribute) and t.attr == "_interrupt"]
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "setattr"
+        and len(node.args) == 3
+        and isinstance(node.args[1], ast.Constant)
+        and node.args[1].value == "_interrupt"
+        and _truthy(node.args[2])
+    ):
+        return [node.args[0]]
+    return []
+
+
+def _truthy(value: ast.expr) -> bool:
+    return isinstance(value, ast.Constant) and bool(value.value) is True
 
 
 def _ignores_flag(class_name: str) -> str | None:
@@ -128,7 +187,7 @@ def _is_pipeline_parameter(function: FunctionNode, obj: ast.expr) -> bool:
     return isinstance(obj, ast.Name) and bool(positional) and obj.id == positional[0]
 
 
-def _later_call(module: Module, node: ast.stmt, obj: ast.expr) -> ast.Call | None:
+def _later_call(module: Module, node: ast.AST, obj: ast.expr) -> ast.Call | None:
     """A call of ``obj`` in a statement after ``node``, in its block or an enclosing one of its function."""
     current: ast.AST = node
     for parent in module.resolver.ancestors(node):
