@@ -33,7 +33,7 @@ __version__ = "0.1.0"
 
 # Names that need a heavy library (torch, transformers, diffusers): imported on first use.
 _LAZY = {
-    "stopping_criteria": "stopcock.adapters.transformers",
+    "stopping_criteria": "stopcock.transformers",
     "step_callback": "stopcock.adapters.diffusers",
     "attach": "stopcock.adapters.diffusers",
     "guard": "stopcock.adapters.diffusers",

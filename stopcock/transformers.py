@@ -7,6 +7,6 @@
 
 from __future__ import annotations
 
-from .adapters.transformers import stopping_criteria
+from .adapters.transformers_criteria import stopping_criteria
 
 __all__ = ["stopping_criteria"]

@@ -56,7 +56,8 @@ from ..checkpoint import (
 )
 from ..control import RunControl
 from ..outcome import Outcome
-from .transformers import TransformersAdapter, _RunCriteria, _Settings
+from .transformers import TransformersAdapter
+from .transformers_criteria import _RunCriteria, _Settings, _why_rows_ended
 
 __all__ = ["ADAPTER", "ResumableTransformersAdapter", "fingerprint"]
 
@@ -235,7 +236,8 @@ class _Generate:
             sequences, cache = criteria.so_far(prompt), None
         ended = []
         if criteria.last_ids is not None:  # the criterion saw a step, so it knows where the prompt ends
-            ended = [i for i, r in enumerate(criteria.reasons(sequences)) if r in ("eos", "stop_string")]
+            reasons = _why_rows_ended(criteria, sequences)
+            ended = [i for i, r in enumerate(reasons) if r in ("eos", "stop_string")]
         kept, why = None, "the run was abandoned inside a forward (abort mode), so its cache was not complete"
         if cache is not None:
             try:

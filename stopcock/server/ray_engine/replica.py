@@ -1,5 +1,11 @@
 """The Ray engine's model replicas: the backend, its lanes (the device lease), the stop poll and the
-report loop."""
+report loop.
+
+:meth:`ModelReplica.run` is the deployment's only request: the registry sends each job there and
+Serve routes it to a replica with a free request slot (``max_ongoing_requests`` = ``concurrency``).
+The job's whole life runs in a task of its own, so a cancelled request (Serve frees its slot)
+neither stops the job nor frees its lane: the lane comes back only when the pipeline has returned.
+"""
 
 from __future__ import annotations
 
@@ -33,13 +39,7 @@ class _Checked:
 class ModelReplica:
     """A model replica: the backend, ``concurrency`` lanes (the device lease), the stop poll and the
     report loop. ``registry`` is the registry's handle (looked up in the replica's Serve application
-    when None); ``name`` identifies the replica (its Ray actor name when None).
-
-    :meth:`run` is the deployment's only request: the registry sends each job there and Serve routes
-    it to a replica with a free request slot (``max_ongoing_requests`` = ``concurrency``). The job's
-    whole life runs in a task of its own, so a cancelled request (Serve frees its slot) neither
-    stops the job nor frees its lane: the lane comes back only when the pipeline has returned.
-    """
+    when None); ``name`` identifies the replica (its Ray actor name when None)."""
 
     async def __init__(  # type: ignore[misc]
         self,
