@@ -39,7 +39,7 @@ import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack
 from typing import Any
 
 from torch import compiler, nn
@@ -48,7 +48,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .binding import bound
 
-__all__ = ["Tripwire", "find_blocks", "input_hooks", "output_hooks", "pre_hooks"]
+__all__ = ["Tripwire", "input_hooks", "output_hooks"]
 
 _is_compiling = compiler.is_compiling  # True while torch traces a call into a graph
 
@@ -80,25 +80,6 @@ def _serialised(operation: Callable[[], None]) -> None:
             _busy = False
         if _queued:  # one that came in between the last check and the line above
             _serialised(_queued.popleft())
-
-
-def find_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a model: the items of its outermost ``nn.ModuleList``s.
-
-    For a decoder this is its transformer layers, for a UNet its down and up blocks, for a DiT its
-    transformer blocks. Returns an empty list for a model with no ModuleList.
-    """
-    blocks: list[nn.Module] = []
-
-    def visit(module: nn.Module) -> None:
-        for child in module.children():
-            if isinstance(child, nn.ModuleList):
-                blocks.extend(child)
-            else:
-                visit(child)
-
-    visit(model)
-    return blocks
 
 
 class _Published:
@@ -197,14 +178,6 @@ class Tripwire:
             if not entry.wires:
                 del _published[id(entry.attrs)]
                 entry.withdraw()
-
-
-@contextmanager
-def pre_hooks(modules: Iterable[nn.Module], fn: Callable[[nn.Module], Any]) -> Iterator[None]:
-    """Call ``fn(module)`` before each forward of each module, on this thread only (armed at once)."""
-    with Tripwire(modules, fn) as wire:
-        wire.arm()
-        yield
 
 
 def input_hooks(

@@ -16,7 +16,7 @@ pytest.importorskip("ray")
 from ray_doubles import LocalHandle, construct  # tests/ is on sys.path under pytest
 
 from stopcock.server.backends import ImageBackend
-from stopcock.server.contract import Event, JobSpec
+from stopcock.server.contract import JobEvent, JobSpec
 from stopcock.server.jobs import Job
 from stopcock.server.ray_engine.ingress import RayEngine
 from stopcock.server.ray_engine.registry import JobRegistry
@@ -235,8 +235,8 @@ def test_events_numbered_elsewhere_keep_their_numbers():
     assert [e.seq for e in job.events if e is not None] == [2]
     copy = Job(text(3), OWNER)
     copy.emit("queued", position=1)
-    copy.put(Event(5, "progress", {"step": 3, "total": 3}))
-    copy.put(Event(2, "started", {}))  # older than what it holds: already past
+    copy.put(JobEvent(5, "progress", {"step": 3, "total": 3}))
+    copy.put(JobEvent(2, "started", {}))  # older than what it holds: already past
     assert [e.seq if e else None for e in copy.events] == [1, None, None, None, 5]
 
 

@@ -11,7 +11,7 @@ Job states: ``queued`` -> ``running`` -> ``stopping`` (a stop was requested) -> 
 running. A running job can also be held with its checkpoint: ``paused`` by its owner (until
 ``resume``, which queues it again), or ``preempted`` by a job of higher ``priority`` (it waits in
 the queue and resumes from its checkpoint when a worker is free); a held job that is stopped ends
-at once as ``stopped``. Events (``Event.type``): ``queued``, ``started`` (``resumed_from``: the
+at once as ``stopped``. Events (``JobEvent.type``): ``queued``, ``started`` (``resumed_from``: the
 checkpoint's step when it resumes), ``progress`` (step, total), ``text`` (a chunk of generated
 text), ``preview`` (a PNG of the current step, base64), ``item`` (an item of a job with several
 prompts started or ended: index, prompt, state, reason, steps), ``paused`` and ``preempted`` (step,
@@ -40,7 +40,7 @@ __all__ = [
     "PREEMPTED",
     "Backend",
     "Engine",
-    "Event",
+    "JobEvent",
     "InvalidJob",
     "JobNotFound",
     "JobSpec",
@@ -121,7 +121,7 @@ class JobSpec:
 
 
 @dataclass(frozen=True)
-class Event:
+class JobEvent:
     """One job event; ``seq`` counts from 1 in the order of the job's events."""
 
     seq: int
@@ -249,7 +249,7 @@ class Engine(Protocol):
 
     async def wait(self, job_id: str, owner: str, timeout: float | None = None) -> JobView: ...
 
-    def events(self, job_id: str, owner: str, after: int = 0) -> AsyncIterator[Event]: ...
+    def events(self, job_id: str, owner: str, after: int = 0) -> AsyncIterator[JobEvent]: ...
 
     async def result(self, job_id: str, owner: str) -> dict[str, Any]: ...
 

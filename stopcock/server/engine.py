@@ -33,7 +33,7 @@ from .contract import (
     PAUSED,
     PREEMPTED,
     Backend,
-    Event,
+    JobEvent,
     JobNotFound,
     JobSpec,
     JobState,
@@ -208,7 +208,7 @@ class LocalEngine:
         await self._wait_final(job, timeout)
         return job.view()
 
-    async def events(self, job_id: str, owner: str, after: int = 0) -> AsyncIterator[Event]:
+    async def events(self, job_id: str, owner: str, after: int = 0) -> AsyncIterator[JobEvent]:
         """The job's events with ``seq > after``, as they come, up to ``done`` (none after it)."""
         async for event in _jobs.events(self._find(job_id, owner), after):
             yield event

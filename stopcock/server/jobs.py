@@ -32,7 +32,7 @@ from .contract import (
     PAUSED,
     PREEMPTED,
     RESPONSE_ID_PREFIXES,
-    Event,
+    JobEvent,
     JobSpec,
     JobState,
     JobView,
@@ -144,22 +144,22 @@ class Job:
         self.outcome: dict[str, Any] | None = None
         self.result: dict[str, Any] | None = None
         self.error: str | None = None
-        self.events: list[Event | None] = [None] * seq  # None: an older preview (dropped), or unknown
+        self.events: list[JobEvent | None] = [None] * seq  # None: an older preview (dropped), or unknown
         self.ended = False  # the done event has been emitted
         self._last_preview: int | None = None
         self.changes = Changes()
         self.lock = threading.Lock()
-        self.listener: Callable[[Event], None] | None = None
+        self.listener: Callable[[JobEvent], None] | None = None
 
     def emit(self, type_: str, **data: Any) -> None:
         with self.lock:
-            event = Event(len(self.events) + 1, type_, data)
+            event = JobEvent(len(self.events) + 1, type_, data)
             self._add(event)
         if self.listener is not None:
             self.listener(event)
         self.changes.bump()
 
-    def put(self, event: Event) -> None:
+    def put(self, event: JobEvent) -> None:
         """Record an event numbered elsewhere, at its ``seq`` (the ones in between stay unknown)."""
         with self.lock:
             if event.seq <= len(self.events):
@@ -168,7 +168,7 @@ class Job:
             self._add(event)
         self.changes.bump()
 
-    def _add(self, event: Event) -> None:
+    def _add(self, event: JobEvent) -> None:
         if event.type == "preview":
             if self._last_preview is not None:
                 self.events[self._last_preview] = None
@@ -385,13 +385,13 @@ async def wait_until(job: Job, done: Callable[[], bool], timeout: float | None) 
         await job.changes.wait_past(version, left)
 
 
-def since(job: Job, after: int) -> tuple[list[Event], int, bool]:
+def since(job: Job, after: int) -> tuple[list[JobEvent], int, bool]:
     """The job's known events with ``seq > after``, the new cursor, and whether ``done`` is among them."""
     with job.lock:
         return [e for e in job.events[after:] if e is not None], len(job.events), job.ended
 
 
-async def events(job: Job, after: int = 0) -> AsyncIterator[Event]:
+async def events(job: Job, after: int = 0) -> AsyncIterator[JobEvent]:
     """The job's events with ``seq > after``, as they come, up to ``done`` (none after it)."""
     while True:
         version = job.changes.version

@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from ..contract import FINAL_STATES, Event, InvalidJob, JobSpec, JobView, KindNotServed, QueueFull
+from ..contract import FINAL_STATES, InvalidJob, JobEvent, JobSpec, JobView, KindNotServed, QueueFull
 from ..jobs import new_id
 from .wire import POLL_S, Refused, call, detached
 
@@ -101,7 +101,7 @@ class RayEngine:
             if view.state in FINAL_STATES or (deadline is not None and time.monotonic() >= deadline):
                 return view
 
-    async def events(self, job_id: str, owner: str, after: int = 0) -> AsyncIterator[Event]:
+    async def events(self, job_id: str, owner: str, after: int = 0) -> AsyncIterator[JobEvent]:
         while True:
             new, after, ended = await self._ask("events", job_id, owner, after, POLL_S)
             for event in new:

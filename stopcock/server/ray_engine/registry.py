@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..contract import FINAL_STATES, Event, JobSpec, JobState, JobView
+from ..contract import FINAL_STATES, JobEvent, JobSpec, JobState, JobView
 from ..jobs import Job, finish, since, summary_of_end, wait_final
 from .journal import Journal, Record
 from .wire import POLL_S, SILENT_S, Refused, detached, spec_from_json, spec_to_json
@@ -176,7 +176,7 @@ class JobRegistry:
 
     async def events(
         self, job_id: str, owner: str, after: int, timeout: float
-    ) -> tuple[list[Event], int, bool] | Refused:
+    ) -> tuple[list[JobEvent], int, bool] | Refused:
         """The job's events after ``after`` (waiting up to ``timeout`` for one), the new cursor, and
         whether ``done`` is among them."""
         record = self._find(job_id, owner)
@@ -263,7 +263,7 @@ class JobRegistry:
     async def report(
         self,
         replica: str,
-        events: list[tuple[str, Event]],
+        events: list[tuple[str, JobEvent]],
         views: Mapping[str, Mapping[str, Any]],
         results: Mapping[str, Any],
     ) -> None:
@@ -521,7 +521,7 @@ class JobRegistry:
                 record.journaled_end = True
                 record.job.result = end["result"]
                 record.job.apply(end["view"])
-                record.job.put(Event(end["done"], "done", end["view"]))
+                record.job.put(JobEvent(end["done"], "done", end["view"]))
                 self._queued.discard(job_id)
                 self._finished.append(job_id)
             elif record.claimed_by is not None:

@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any
 
-from ..contract import Backend, Event, JobSpec, Lane
+from ..contract import Backend, JobEvent, JobSpec, Lane
 from ..jobs import INTERRUPTED, Job, checked_grace, finish, run_lane
 from .wire import POLL_S, ModelSpec, call, detached
 
@@ -80,7 +80,7 @@ class ModelReplica:
             self._lanes.put_nowait(self.backend.lane())
         self._jobs: dict[str, Job] = {}
         self._reported: dict[str, asyncio.Future[None]] = {}
-        self._outbox: collections.deque[tuple[str, Event]] = collections.deque()
+        self._outbox: collections.deque[tuple[str, JobEvent]] = collections.deque()
         self._outbox_lock = threading.Lock()
         self._wake = asyncio.Event()
         self._count_lock = threading.Lock()
@@ -186,7 +186,7 @@ class ModelReplica:
                 await self._register()
 
     # -- reports -----------------------------------------------------------------------------------
-    def _post(self, job_id: str, event: Event) -> None:
+    def _post(self, job_id: str, event: JobEvent) -> None:
         """A job's new event (from its worker thread): queue it and wake the report loop."""
         with self._outbox_lock:
             self._outbox.append((job_id, event))
