@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 
-__all__ = ["Abort", "RunControl", "Watch", "outcome_of"]
+__all__ = ["Abort", "Items", "RunControl", "Watch", "outcome_of"]
 
 
 _NO_CHECKS: AbstractContextManager[None] = nullcontext()  # reusable: it holds no state
@@ -119,6 +119,44 @@ class Watch(NamedTuple):
         )
 
 
+class Items:
+    """A run's item boundaries (:mod:`stopcock.items`): where ``skip()`` and ``stop_after_item()`` of
+    the user's signals it follows take effect, and how each item ended (``reasons``)."""
+
+    def __init__(self, followed: tuple[StopSignal, ...]) -> None:
+        self.followed = followed
+        self.base = 0  # skip() calls seen when the current item began
+        self.by_item = False  # the run goes item by item (start_item was called)
+        self.skipping = False  # the current item is being skipped
+        self.reasons: list[str] | None = None
+
+    def skips(self) -> int:
+        return sum(signal.skips for signal in self.followed)
+
+    def skip_called(self) -> bool:
+        """Whether ``skip()`` was called since the current item began (the usual case, one signal
+        and no skip, reads one counter)."""
+        signals = self.followed
+        if not signals:
+            return False
+        count = signals[0].skips if len(signals) == 1 else self.skips()
+        return count != self.base
+
+    def stop_after_item(self) -> str | None:
+        """The reason of the first signal that asked to stop after the current item, if any."""
+        return next((s.after_item for s in self.followed if s.after_item is not None), None)
+
+    def begin(self) -> None:
+        self.base, self.skipping = self.skips(), False
+
+    def end(self, stopped_for: str | None, count: int) -> None:
+        """The current item (or ``count`` of them) ended: skipped, cut short by a stop for
+        ``stopped_for``, or completed."""
+        reason = "skipped" if self.skipping else stopped_for or "completed"
+        self.reasons = [*(self.reasons or ()), *[reason] * count]
+        self.skipping = False
+
+
 def _grace(seconds: float | None, mode: str) -> float | None:
     """``escalate_after=``, checked: None, or seconds >= 0 in finish mode."""
     if seconds is None:
@@ -160,10 +198,7 @@ class RunControl:
             if type(condition) is Signalled
             else tuple(c.signal for c in top_level(condition) if isinstance(c, Signalled))
         )
-        self._skip_base = 0  # skip() calls seen when the current item began
-        self._in_items = False  # the run goes item by item (start_item was called)
-        self.skipping = False  # the current item is being skipped
-        self.item_reasons: list[str] | None = None
+        self.items = Items(self._followed)
         self.token = StopSignal()
         self.steps = 0
         self.total: int | None = None
@@ -208,7 +243,7 @@ class RunControl:
     # -- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> RunControl:
         self._start()
-        self._skip_base = self._skips()
+        self.items.begin()
         for signal in self._followed:
             self._unlink.append(signal.on_stop(self._forward(signal)))
         self._forwarded = self._followed  # their stops reach the token from now on
@@ -268,8 +303,8 @@ class RunControl:
             self._unwatched
             and steps < self.watch.max_steps
             and self._quiet()
-            and not self.skipping
-            and not self._skip_called()
+            and not self.items.skipping
+            and not self.items.skip_called()
         ):
             self.steps = steps
             return True
@@ -303,27 +338,33 @@ class RunControl:
         return self.should_stop(self.state(**tensors))
 
     # -- items ---------------------------------------------------------------------------------------
-    def _skips(self) -> int:
-        return sum(signal.skips for signal in self._followed)
+    @property
+    def skipping(self) -> bool:
+        """The current item is being skipped."""
+        return self.items.skipping
+
+    @property
+    def item_reasons(self) -> list[str] | None:
+        """How each item ended, once the run went item by item."""
+        return self.items.reasons
+
+    @item_reasons.setter
+    def item_reasons(self, reasons: list[str] | None) -> None:
+        self.items.reasons = reasons
 
     def _skip_called(self) -> bool:
-        """Whether ``skip()`` was called since the current item began (the usual case, one signal
-        and no skip, reads one counter)."""
-        signals = self._followed
-        if not signals:
-            return False
-        count = signals[0].skips if len(signals) == 1 else self._skips()
-        return count != self._skip_base
+        return self.items.skip_called()
 
     def _skip_seen(self) -> bool:
         """Whether ``skip()`` was called since the current item began: it ends that item, or, in a
         run that is not item by item, the run (reason ``"skipped"``). Checked at every step."""
-        if self.skipping:
+        items = self.items
+        if items.skipping:
             return True
-        if not self._skip_called():
+        if not items.skip_called():
             return False
-        if self._in_items:
-            self.skipping = True
+        if items.by_item:
+            items.skipping = True
         else:
             self._stop("skipped")
             self.seen = True
@@ -335,27 +376,20 @@ class RunControl:
         It may not once the run is stopped, or once a signal asked to stop after the current item
         (the run then stops with that reason).
         """
-        self._in_items = True
+        self.items.by_item = True
         if not self.token.stopped:
-            reason = next((s.after_item for s in self._followed if s.after_item is not None), None)
+            reason = self.items.stop_after_item()
             if reason is not None:
                 self._stop(reason)
         if self.check():
             return False
-        self._skip_base, self.skipping = self._skips(), False
+        self.items.begin()
         return True
 
     def end_item(self, count: int = 1) -> None:
         """The current item (or the ``count`` items of a batch) ended: record why in ``item_reasons``:
         ``"skipped"``, the stop reason when a stop cut it short, else ``"completed"``."""
-        if self.skipping:
-            reason = "skipped"
-        elif self.seen and self.token.reason is not None:
-            reason = self.token.reason
-        else:
-            reason = "completed"
-        self.item_reasons = [*(self.item_reasons or ()), *[reason] * count]
-        self.skipping = False
+        self.items.end(self.token.reason if self.seen else None, count)
 
     def poll(self) -> None:
         """A check inside a model forward: in abort mode raise :class:`Abort` if stopped.

@@ -14,7 +14,7 @@ observes everything; a stopped loop's models answering from their last output
 
 It works by giving the object, for the duration, a same-named subclass whose ``method`` dispatches
 to this thread's handler: a module's ``__call__`` is looked up on its type, so an instance
-attribute (:func:`stopcock.hooks.bound`, which serves ordinary methods such as ``generate``)
+attribute (:func:`stopcock.binding.bound`, which serves ordinary methods such as ``generate``)
 cannot replace it. That puts the handler outside every rewrite of ``forward`` (accelerate's
 offload hooks, diffusers' hook registry, so a cache hook never sees an answered call), and nothing
 is lost when those rewrites are re-armed mid-call. Other threads' calls

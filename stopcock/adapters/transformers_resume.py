@@ -1,7 +1,7 @@
 """Checkpoint and resume text generation: ``generate`` and the text-generation pipeline.
 
 Recording binds the model's ``generate`` for the run, on the run's thread
-(:func:`stopcock.hooks.bound`, as the adapter does), so one mechanism serves a model and a pipeline
+(:func:`stopcock.binding.bound`, as the adapter does), so one mechanism serves a model and a pipeline
 (which calls ``generate`` itself). Each call is made
 with ``return_dict_in_generate=True`` (and answered as its caller asked), which gives back the KV
 cache; when the call ends the recorder keeps its prompt and mask, the token ids so far (stopcock's
