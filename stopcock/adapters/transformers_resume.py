@@ -43,19 +43,18 @@ from ..checkpoint import (
     CheckpointError,
     CheckpointMismatch,
     ObjectState,
-    check_fingerprint,
     config_data,
     digest,
     freeze_call,
     model_fingerprint,
     restore_rng,
     rng_state,
-    thaw,
     versions,
     vocab_digest,
 )
 from ..control import RunControl
 from ..outcome import Outcome
+from .resumable import ResumeScaffold
 from .transformers import TransformersAdapter
 from .transformers_criteria import _RunCriteria, _Settings, _why_rows_ended
 
@@ -380,7 +379,7 @@ def _checkpoint(
     )
 
 
-class ResumableTransformersAdapter(TransformersAdapter):
+class ResumableTransformersAdapter(ResumeScaffold, TransformersAdapter):
     """The transformers adapter with the :class:`~stopcock.adapters.base.Resumable` capability."""
 
     def record(
@@ -394,20 +393,21 @@ class ResumableTransformersAdapter(TransformersAdapter):
         outcome.checkpoint = _checkpoint(target, call, handler, outcome, None)
         return outcome
 
-    def resume(
+    def fingerprint(self, target: Any) -> dict[str, Any]:
+        return fingerprint(target)
+
+    def continued(
         self,
         target: Any,
         checkpoint: Checkpoint,
         control: RunControl,
-        given: dict[str, Any],
+        call: dict[str, Any],
         *,
-        record: bool = False,
+        record: bool,
         **options: Any,
-    ) -> Outcome:
+    ) -> tuple[Outcome, dict[str, Any]]:
         """Continue ``checkpoint`` on ``target`` from its cache (see the module docstring)."""
-        check_fingerprint(checkpoint, fingerprint(target))
         state = checkpoint.state
-        call = thaw(state["call"], given)
         args, kwargs = tuple(call["args"]), dict(call["kwargs"])
         many = _many(target, args)
         done = list(state.get("done", []))
@@ -421,12 +421,6 @@ class ResumableTransformersAdapter(TransformersAdapter):
         if outcome is None:  # a list whose items were all done
             outcome = control.outcome([], completed="completed")
         exact = saved is None or saved["cache"] is not None
-        outcome.resumed = {
-            "from_step": checkpoint.steps,
-            "saved_steps": checkpoint.steps,
-            "exact": exact,
-            "how": "cache" if exact else "recompute",
-        }
         if not exact:
             note = (
                 f"resumed by recomputing the cache from the ids ({saved['why']}): the same tokens in"
@@ -440,7 +434,8 @@ class ResumableTransformersAdapter(TransformersAdapter):
             outcome.total_steps = checkpoint.total
         if record:
             outcome.checkpoint = _checkpoint(target, state["call"], handler, outcome, state if many else None)
-        return outcome
+        how = {"saved_steps": checkpoint.steps, "exact": exact, "how": "cache" if exact else "recompute"}
+        return outcome, how
 
 
 ADAPTER = ResumableTransformersAdapter()
