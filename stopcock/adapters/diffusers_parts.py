@@ -283,7 +283,8 @@ def _positional_names(signature: inspect.Signature) -> tuple[str, ...]:
 class StepCounter:
     """Where the run is in its loops. ``source`` says what counts the steps: ``"watching"`` (nothing
     yet: the denoiser's calls are watched), ``"scheduler"`` (a scheduler stepped) or ``"denoiser"`` (a
-    loop with no scheduler step, such as ScoreSdeVe's: the denoiser's timestep moving on)."""
+    loop with no scheduler step, such as ScoreSdeVe's: the denoiser's timestep moving on). It moves
+    on from ``"watching"`` only, once: the first of the two to be found counts the run's steps."""
 
     def __init__(self) -> None:
         self.source: Literal["watching", "scheduler", "denoiser"] = "watching"

@@ -2,21 +2,15 @@
 :mod:`stopcock.adapters.diffusers`).
 
 The run's :class:`Phase` is the one record of where it stands with its stop; it only moves forward:
-``RUNNING`` -> ``STOP_STEP`` -> ``FAST_FORWARDING`` -> ``STAGE_OVER`` (a phase may be skipped). The
-parts, each with one job:
-
-- :class:`StepCounter`: where the run is in its loops: iterations, the scheduler whose steps count,
-  where its loop ends, the schedulers stepping beside it; when no scheduler steps, the denoiser
-  whose timestep counts the steps;
-- :class:`InterruptFlag`: the pipeline's own ``_interrupt``, raised at the stop and left as found;
-- :class:`FastForward`: the loop after the stop step: the loop models answer from the stop step
-  (:class:`~stopcock.adapters.diffusers_loop.LoopModels`) and each scheduler's step holds the sample;
-- :class:`KeptLatents`: the latents and x0 estimate a stopped run keeps (``partial=``);
-- :func:`outcome_of`: the Outcome from all of them.
-
-:class:`PipelineRun` installs the scheduler wrappers and stage stand-ins
-(:mod:`stopcock.adapters.diffusers_parts`) and the parts above on enter, removes them on exit, and
-moves the phase on as the wrappers report.
+``RUNNING`` -> ``STOP_STEP`` -> ``FAST_FORWARDING`` -> ``STAGE_OVER`` (a phase may be skipped).
+:class:`PipelineRun` holds the phase and moves it on as the scheduler wrappers and stage stand-ins
+report, using parts that each have one job (:mod:`stopcock.adapters.diffusers_parts`):
+:class:`~stopcock.adapters.diffusers_parts.StepCounter`,
+:class:`~stopcock.adapters.diffusers_parts.InterruptFlag`,
+:class:`~stopcock.adapters.diffusers_parts.FastForward` and
+:class:`~stopcock.adapters.diffusers_parts.KeptLatents`; here :class:`DenoiserSteps` counts the steps
+of a loop with no scheduler step, and :func:`outcome_of` builds the Outcome. :class:`RunBinding` only
+installs all of it on enter and removes it on exit.
 """
 
 from __future__ import annotations
