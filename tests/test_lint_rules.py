@@ -172,6 +172,11 @@ def test_stc002_fires_on_a_flag_set_outside_a_step_callback(source, where):
         # a callback given here, on the global pipeline: read during the call
         SD + "def cb(p, i, t, kw):\n    if i == 5:\n        pipe._interrupt = True\n    return kw\n"
         "pipe('a', callback_on_step_end=cb)",
+        # a callback bound with functools.partial, and a legacy callback
+        SD + "import functools\ndef cb(event, p, i, t, kw):\n    if event.is_set():\n"
+        "        pipe._interrupt = True\n    return kw\n"
+        "pipe('a', callback_on_step_end=functools.partial(cb, ev))",
+        SD + "def legacy(i, t, latents):\n    pipe._interrupt = True\npipe('a', callback=legacy)",
         # a method with a callback's arguments after self
         SD + "class S:\n    def cb(self, p, i, t, kw):\n        pipe._interrupt = True\n        return kw",
         # unknown class: not judged
@@ -568,6 +573,10 @@ def test_stc007_fires_on_a_criteria_built_once_at_module_level_or_in_init(source
         MODEL + "def reply(ids):\n"
         "    kw = {'stopping_criteria': StoppingCriteriaList([MaxTimeCriteria(5)])}\n"
         "    return model.generate(ids, **kw)",
+        # a module-level name rebuilt by the function that uses it
+        MODEL + "criteria = None\ndef reply(ids):\n    global criteria\n"
+        "    criteria = StoppingCriteriaList([MaxTimeCriteria(5)])\n"
+        "    return model.generate(ids, stopping_criteria=criteria)",
         # a class attribute that holds something else
         MODEL + "class Bot:\n    criteria = StoppingCriteriaList([Custom()])\n"
         "    def reply(self, ids):\n        return model.generate(ids, stopping_criteria=self.criteria)",

@@ -190,3 +190,19 @@ def test_speecht5_pipeline_stop_despite_minlenratio():
     outcome = stopcock.run(case.pipe, case.item, stop=stopcock.max_steps(STOP), forward_params=forward)
     assert (outcome.stopped, outcome.steps) == (True, STOP) and not outcome.detail
     assert case.content(outcome.output).shape == (STOP * 2 * 2,)
+
+
+@pytest.mark.timeout(120)
+def test_speecht5_abort_keeps_the_mel_frames_so_far(speecht5):
+    model, vocoder, ids, speaker = speecht5
+    signal = stopcock.StopSignal()
+    on_step, seen, hook = _stop_at(STOP, model.speech_decoder_postnet.prob_out, signal)
+    kwargs = {"speaker_embeddings": speaker, "minlenratio": RATIO, "vocoder": vocoder}
+    try:
+        outcome = stopcock.run(model, ids, kwargs=kwargs, stop=signal, on_step=on_step, mode="abort")
+    finally:
+        hook.remove()
+    assert (outcome.stopped, outcome.steps, outcome.mode) == (True, STOP, "abort")
+    assert seen["forwards"] == seen["at_request"]
+    assert outcome.output.shape == (STOP * 2, 8)  # the loop's frames, before the postnet and vocoder
+    assert "mel frames generated so far" in outcome.detail

@@ -47,7 +47,8 @@ class InterruptIgnored(Rule):
         calls, the reset at the start of the next call erases it; pressed during a call, only the
         pipelines that check the flag read it. Fires on such an assignment to a pipeline object (a
         known class that honours the flag, or one known only at run time), in a function that is not
-        given as a step callback and does not take a callback's four arguments. The fix is a
+        given as a callback (to a keyword whose name holds "callback", directly or through
+        `functools.partial`) and does not take a step callback's four arguments. The fix is a
         `StopSignal` that the handler stops and the run is given: `stopcock.run(pipe, ..., stop=signal)`
         or `with stopcock.attach(pipe, signal):` keep the stop until a run ends, whichever pipeline it is.
 
@@ -116,7 +117,9 @@ class InterruptIgnored(Rule):
                 f" starts by setting"
                 f" `_interrupt = False`; {FIX}",
             )
-        if function is not None and (function in callbacks or _looks_like_callback(function)):
+        if function is not None and (
+            function in callbacks or _looks_like_callback(function) or _given_as_callback(module, function)
+        ):
             return None  # inside a step callback: read by the loop that called it
         scope = next((a for a in module.resolver.ancestors(node) if isinstance(a, SCOPES)), None)
         where = (
@@ -143,6 +146,25 @@ def _looks_like_callback(function: FunctionNode) -> bool:
     if positional and positional[0] in ("self", "cls"):
         positional = positional[1:]
     return len(positional) == 4 or (len(positional) == 3 and function.args.kwarg is not None)
+
+
+def _given_as_callback(module: Module, function: FunctionNode) -> bool:
+    """``function`` is given to some call as a callback (a keyword whose name holds "callback": the
+    legacy ``callback=``, a wrapper's own name), directly or through ``functools.partial``."""
+    for call in module.calls:
+        for given in call.keywords:
+            if given.arg is None or "callback" not in given.arg:
+                continue
+            value = given.value
+            if isinstance(value, ast.Call) and value.args and _name_of(value.func).endswith("partial"):
+                value = value.args[0]
+            if module.resolver.function(value) is function:
+                return True
+    return False
+
+
+def _name_of(expr: ast.expr) -> str:
+    return expr.attr if isinstance(expr, ast.Attribute) else expr.id if isinstance(expr, ast.Name) else ""
 
 
 def _flag_set_on(node: ast.AST) -> list[ast.expr]:

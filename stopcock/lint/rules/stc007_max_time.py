@@ -107,6 +107,8 @@ class ReusedMaxTime(Rule):
             return f"outside the loop on line {loops[0].lineno}"
         function = module.resolver.enclosing_function(call)
         if owner is module.resolver.module and function is not None:
+            if any(_inside(module, b, function) for b in bindings):  # rebuilt here (`global criteria`)
+                return None
             if _serves_requests(module, function):
                 return f"at module level, and {function.name} serves many calls"
             many = _called_often(module, function)
