@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from stopcock.hooks import find_blocks
+from tiny.blocks import find_blocks
 
 T = TypeVar("T")
 RANDOM_WEIGHTS = "All models have random weights (built offline from configs; no model hub)."
@@ -368,7 +368,7 @@ def deep_flux_pipeline(double_blocks: int = 8, single_blocks: int = 16, device: 
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
-    """The blocks stopcock's abort mode hooks (see :func:`stopcock.hooks.find_blocks`)."""
+    """The blocks stopcock's abort mode hooks (see :func:`tiny.blocks.find_blocks`)."""
     found = find_blocks(model)
     if not found:
         raise ValueError(f"{type(model).__name__} has no blocks to hook")

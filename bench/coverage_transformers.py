@@ -56,7 +56,7 @@ def generating_tasks() -> list[str]:
 
 
 def _path(pipe: Any) -> str:
-    from stopcock.adapters.transformers import _stop_head
+    from stopcock.adapters.transformers_loops import _stop_head
 
     if _stop_head(pipe.model) is not None:
         return "stop-probability head of its own loop"

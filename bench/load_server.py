@@ -36,7 +36,7 @@ from typing import Any
 
 import httpx
 
-from stopcock.server.engine import FINAL_STATES
+from stopcock.server.contract import FINAL_STATES
 from stopcock.server.testing import serving, sse_data
 
 from .common import Section, Table

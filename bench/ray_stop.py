@@ -100,7 +100,7 @@ def _ray(model: Path, replicas: int, step_delay: float) -> Iterator[tuple[str, A
     from ray import serve
 
     from stopcock.server.ray_deploy import REGISTRY, RayOptions, build
-    from stopcock.server.ray_engine import ModelSpec
+    from stopcock.server.ray_engine.wire import ModelSpec
 
     ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:

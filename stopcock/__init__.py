@@ -1,7 +1,7 @@
 """stopcock: stop Hugging Face pipelines the right way.
 
 One stop signal for transformers and diffusers: stop from any thread, for any reason, within one
-step (or one block when aborting), with the reason, the step reached and the partial result.
+step (or at the next module call when aborting), with the reason, the step reached and the partial result.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ __version__ = "0.1.0"
 
 # Names that need a heavy library (torch, transformers, diffusers): imported on first use.
 _LAZY = {
-    "stopping_criteria": "stopcock.adapters.transformers",
+    "stopping_criteria": "stopcock.transformers",
     "step_callback": "stopcock.adapters.diffusers",
     "attach": "stopcock.adapters.diffusers",
     "guard": "stopcock.adapters.diffusers",

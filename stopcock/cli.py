@@ -429,7 +429,7 @@ def _add_common(p: argparse.ArgumentParser, model_kind: str) -> None:
     p.add_argument("--timeout", type=_SECONDS, metavar="S", help="stop after S seconds")
     p.add_argument("--mode", choices=MODES, default="finish",
                    help="finish: end at the next step with the partial result (default); abort: abandon "
-                        "the run inside the model at the next block")
+                        "the run inside the model at its next module call")
     p.add_argument("--json", action="store_true", help="print the Outcome as one JSON object on stdout")
     p.add_argument("--progress", choices=("auto", "bar", "lines", "none"), default="auto",
                    help="progress on stderr: a bar, one line per step, or none (auto: a bar on a terminal"

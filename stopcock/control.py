@@ -13,24 +13,22 @@ none of them can fire, a step boundary costs a few flag reads (:meth:`RunControl
 installed at all: :meth:`RunControl.intercept` arms them (:class:`~stopcock.hooks.Tripwire`, one
 hook for every module call on the run's thread, so arming costs the same whatever the model's size)
 the moment a stop becomes possible: a signal stops (armed by the stopping thread before ``stop()``
-returns), a timeout or deadline is :data:`ARM_AHEAD` seconds away (armed by a timer thread), or at
-once for a condition of your own, which may fire at any moment. In finish mode with
-``escalate_after=S``, the same checks are armed S seconds after a stop request that no step
-boundary has seen yet, and abort the run at the next module call. An adapter whose step check
-itself can wait (transformers' criterion joins generate's list only then; diffusers' wrapped
-``scheduler.step`` only counts the step until then) has it armed the same way by
-:meth:`RunControl.arming`, and also by a ``skip()``.
+returns), a timeout or deadline is :data:`~stopcock.wires.ARM_AHEAD` seconds away (armed by a timer
+thread), or at once for a condition of your own, which may fire at any moment. In finish mode with
+``escalate_after=S``, the same checks are armed S seconds after a stop request that no step boundary
+has seen yet, and abort the run at the next module call. An adapter whose step check itself can wait
+(transformers' criterion joins generate's list only then; diffusers' wrapped ``scheduler.step`` only
+counts the step until then) has it armed the same way by :meth:`RunControl.arming`, and also by a
+``skip()``.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .conditions import (
     Condition,
@@ -48,43 +46,16 @@ from .outcome import Outcome
 from .signal import StopSignal
 from .state import StepState
 from .types import MODES, Mode, choice
+from .wires import Arming, Wire, WireKind, Wires, tripwire
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from .hooks import Tripwire
 
-__all__ = ["ARM_AHEAD", "Abort", "Flag", "RunControl", "MODES", "Watch", "Wire"]
-
-_NOTHING: AbstractContextManager[None] = nullcontext()  # reusable: it holds no state
-
-#: Seconds before a timeout or deadline expires at which abort mode arms its in-forward checks.
-ARM_AHEAD = 0.05
+__all__ = ["Abort", "Items", "RunControl", "Watch", "outcome_of"]
 
 
-class Wire(Protocol):
-    """Something a run arms (from any thread) the moment it is needed: a :class:`~stopcock.hooks.Tripwire`,
-    or a step check that waits to be armed. ``arm()`` is idempotent."""
-
-    armed: bool
-
-    def arm(self) -> None: ...
-
-
-class Flag:
-    """The plainest :class:`Wire`: a flag that a hot path reads (``armed``), raised when armed."""
-
-    def __init__(self, armed: bool = False) -> None:
-        self.armed = armed
-
-    def arm(self) -> None:
-        self.armed = True
-
-
-#: What a wire is armed for: abort mode's in-forward checks, an escalating finish-mode stop's, or
-#: the checks at step boundaries (armed when a step could stop the run: a stop, a skip, a time limit).
-WireKind = Literal["abort", "escalate", "step"]
-
+_NO_CHECKS: AbstractContextManager[None] = nullcontext()  # reusable: it holds no state
 
 class Abort(BaseException):
     """Raised inside the target to abandon a run in abort mode.
@@ -148,6 +119,44 @@ class Watch(NamedTuple):
         )
 
 
+class Items:
+    """A run's item boundaries (:mod:`stopcock.items`): where ``skip()`` and ``stop_after_item()`` of
+    the user's signals it follows take effect, and how each item ended (``reasons``)."""
+
+    def __init__(self, followed: tuple[StopSignal, ...]) -> None:
+        self.followed = followed
+        self.base = 0  # skip() calls seen when the current item began
+        self.by_item = False  # the run goes item by item (start_item was called)
+        self.skipping = False  # the current item is being skipped
+        self.reasons: list[str] | None = None
+
+    def skips(self) -> int:
+        return sum(signal.skips for signal in self.followed)
+
+    def skip_called(self) -> bool:
+        """Whether ``skip()`` was called since the current item began (the usual case, one signal
+        and no skip, reads one counter)."""
+        signals = self.followed
+        if not signals:
+            return False
+        count = signals[0].skips if len(signals) == 1 else self.skips()
+        return count != self.base
+
+    def stop_after_item(self) -> str | None:
+        """The reason of the first signal that asked to stop after the current item, if any."""
+        return next((s.after_item for s in self.followed if s.after_item is not None), None)
+
+    def begin(self) -> None:
+        self.base, self.skipping = self.skips(), False
+
+    def end(self, stopped_for: str | None, count: int) -> None:
+        """The current item (or ``count`` of them) ended: skipped, cut short by a stop for
+        ``stopped_for``, or completed."""
+        reason = "skipped" if self.skipping else stopped_for or "completed"
+        self.reasons = [*(self.reasons or ()), *[reason] * count]
+        self.skipping = False
+
+
 def _grace(seconds: float | None, mode: str) -> float | None:
     """``escalate_after=``, checked: None, or seconds >= 0 in finish mode."""
     if seconds is None:
@@ -189,10 +198,7 @@ class RunControl:
             if type(condition) is Signalled
             else tuple(c.signal for c in top_level(condition) if isinstance(c, Signalled))
         )
-        self._skip_base = 0  # skip() calls seen when the current item began
-        self._in_items = False  # the run goes item by item (start_item was called)
-        self.skipping = False  # the current item is being skipped
-        self.item_reasons: list[str] | None = None
+        self.items = Items(self._followed)
         self.token = StopSignal()
         self.steps = 0
         self.total: int | None = None
@@ -201,10 +207,8 @@ class RunControl:
         self._signals = (self.token, *self.watch.signals)
         self._unlink: list[Callable[[], None]] = []
         self._forwarded: tuple[StopSignal, ...] = ()  # the signals whose stops stop the token (once entered)
-        self._ended: float | None = None
-        self._wires: list[tuple[Wire, WireKind]] = []
-        self._lock = threading.RLock()  # re-entrant: stop() may run in a signal handler
-        self._alarm: _Alarm | None = None
+        self.ended: float | None = None
+        self._wires = Wires(self)
         self._start()
 
     @property
@@ -239,7 +243,7 @@ class RunControl:
     # -- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> RunControl:
         self._start()
-        self._skip_base = self._skips()
+        self.items.begin()
         for signal in self._followed:
             self._unlink.append(signal.on_stop(self._forward(signal)))
         self._forwarded = self._followed  # their stops reach the token from now on
@@ -250,13 +254,11 @@ class RunControl:
 
     def close(self) -> None:
         """Unlink from the user's signals (idempotent); later stops no longer reach this run."""
-        if self._ended is None:
-            self._ended = time.monotonic()
+        if self.ended is None:
+            self.ended = time.monotonic()
         while self._unlink:
             self._unlink.pop()()
-        alarm, self._alarm = self._alarm, None
-        if alarm is not None:
-            alarm.close()
+        self._wires.close()
 
     def _forward(self, signal: StopSignal) -> Callable[[], None]:
         def forward() -> None:
@@ -271,7 +273,7 @@ class RunControl:
         try:
             self.token.stop(reason)
         finally:
-            self._stirred()
+            self._wires.stirred()
 
     # -- checks ----------------------------------------------------------------------------------
     @property
@@ -301,8 +303,8 @@ class RunControl:
             self._unwatched
             and steps < self.watch.max_steps
             and self._quiet()
-            and not self.skipping
-            and not self._skip_called()
+            and not self.items.skipping
+            and not self.items.skip_called()
         ):
             self.steps = steps
             return True
@@ -336,27 +338,33 @@ class RunControl:
         return self.should_stop(self.state(**tensors))
 
     # -- items ---------------------------------------------------------------------------------------
-    def _skips(self) -> int:
-        return sum(signal.skips for signal in self._followed)
+    @property
+    def skipping(self) -> bool:
+        """The current item is being skipped."""
+        return self.items.skipping
+
+    @property
+    def item_reasons(self) -> list[str] | None:
+        """How each item ended, once the run went item by item."""
+        return self.items.reasons
+
+    @item_reasons.setter
+    def item_reasons(self, reasons: list[str] | None) -> None:
+        self.items.reasons = reasons
 
     def _skip_called(self) -> bool:
-        """Whether ``skip()`` was called since the current item began (the usual case, one signal
-        and no skip, reads one counter)."""
-        signals = self._followed
-        if not signals:
-            return False
-        count = signals[0].skips if len(signals) == 1 else self._skips()
-        return count != self._skip_base
+        return self.items.skip_called()
 
     def _skip_seen(self) -> bool:
         """Whether ``skip()`` was called since the current item began: it ends that item, or, in a
         run that is not item by item, the run (reason ``"skipped"``). Checked at every step."""
-        if self.skipping:
+        items = self.items
+        if items.skipping:
             return True
-        if not self._skip_called():
+        if not items.skip_called():
             return False
-        if self._in_items:
-            self.skipping = True
+        if items.by_item:
+            items.skipping = True
         else:
             self._stop("skipped")
             self.seen = True
@@ -368,27 +376,20 @@ class RunControl:
         It may not once the run is stopped, or once a signal asked to stop after the current item
         (the run then stops with that reason).
         """
-        self._in_items = True
+        self.items.by_item = True
         if not self.token.stopped:
-            reason = next((s.after_item for s in self._followed if s.after_item is not None), None)
+            reason = self.items.stop_after_item()
             if reason is not None:
                 self._stop(reason)
         if self.check():
             return False
-        self._skip_base, self.skipping = self._skips(), False
+        self.items.begin()
         return True
 
     def end_item(self, count: int = 1) -> None:
         """The current item (or the ``count`` items of a batch) ended: record why in ``item_reasons``:
         ``"skipped"``, the stop reason when a stop cut it short, else ``"completed"``."""
-        if self.skipping:
-            reason = "skipped"
-        elif self.seen and self.token.reason is not None:
-            reason = self.token.reason
-        else:
-            reason = "completed"
-        self.item_reasons = [*(self.item_reasons or ()), *[reason] * count]
-        self.skipping = False
+        self.items.end(self.token.reason if self.seen else None, count)
 
     def poll(self) -> None:
         """A check inside a model forward: in abort mode raise :class:`Abort` if stopped.
@@ -433,186 +434,64 @@ class RunControl:
         """
         abort = self.mode == "abort" if abort is None else abort
         if not abort and self.escalate_after is None:
-            return _NOTHING
-        wire = _tripwire()(None, (lambda _m: self.poll()) if abort else self._poll_escalation)
-        return _Arming(self, wire, "abort" if abort else "escalate", closes=wire)
+            return _NO_CHECKS
+        wire = tripwire()(None, (lambda _m: self.poll()) if abort else self._poll_escalation)
+        return Arming(self._wires, wire, "abort" if abort else "escalate", closes=wire)
 
     def arming(self, wire: Wire, kind: WireKind = "step") -> AbstractContextManager[None]:
         """During the ``with`` block, ``wire.arm()`` is called (by the thread that stops, skips, or a
         timer thread; at once if it is due already) the moment ``kind`` needs it: see
-        :data:`WireKind` and the module docstring."""
-        return _Arming(self, wire, kind)
-
-    def _add_wire(self, wire: Wire, kind: WireKind) -> None:
-        """:meth:`arming`'s start: ``wire`` joins the run's wires (taken out again by
-        :meth:`_drop_wire`, even when this raises), armed at once if it is due."""
-        with self._lock:
-            first = not self._wires
-            skips = kind == "step" and (first or all(k != "step" for _, k in self._wires))
-            self._wires.append((wire, kind))
-        if first and self.watch.signals != self._forwarded:  # every stop of a signal of the run
-            # re-evaluates what is due (the token's, in _stop; those forwarded to the token reach it there)
-            self._unlink += [s.on_stop(self._stirred) for s in self.watch.signals if s not in self._forwarded]
-        if skips:  # and so does a skip, for the step checks
-            for signal in self._followed:
-                self._unlink.append(signal.on_skip(self._stirred))
-        # a thread to wait for what is due later (made here, not in a stop() callback)
-        if self._alarm is None and (kind == "escalate" or self._due is not None):
-            self._alarm = _Alarm(self._arm_due)
-        self._stirred()
-
-    def _drop_wire(self, wire: Wire, kind: WireKind) -> None:
-        with self._lock:
-            self._wires.remove((wire, kind))
-
-    def _arm_at(self, kind: WireKind, stopped: bool) -> float | None:
-        """When the wires of ``kind`` are due (monotonic), or None: not yet known; ``stopped``: a
-        signal of the run has stopped."""
-        if kind == "escalate":
-            assert self.escalate_after is not None
-            requested = [t for t in (self.token.stopped_at, self._due) if t is not None]
-            return min(requested) + self.escalate_after if requested else None
-        if stopped or (kind == "abort" and self.watch.in_forward) or (kind == "step" and self._skip_called()):
-            return -math.inf
-        return None if self._due is None else self._due - ARM_AHEAD
-
-    def _arm_due(self) -> float | None:
-        """Arm the wires whose moment has come; return the next moment one will, if any."""
-        now = time.monotonic()
-        later: list[float] = []
-        with self._lock:
-            stopped = False
-            for signal in self._signals:
-                if signal.stopped:
-                    stopped = True
-                    break
-            for wire, kind in list(self._wires):
-                if wire.armed:
-                    continue
-                at = self._arm_at(kind, stopped)
-                if at is None:
-                    continue
-                if at > now:
-                    later.append(at)
-                elif kind != "escalate" or not self.seen:
-                    wire.arm()
-        return min(later, default=None)
-
-    def _stirred(self) -> None:
-        """Something changed (a signal stopped or skipped, a wire was added): arm what is due now
-        and wake the alarm thread, which waits for what is due later."""
-        self._arm_due()
-        alarm = self._alarm
-        if alarm is not None:
-            alarm.poke()
+        :data:`~stopcock.wires.WireKind` and the module docstring."""
+        return Arming(self._wires, wire, kind)
 
     # -- result ----------------------------------------------------------------------------------
     def outcome(
-        self,
-        output: Any,
-        *,
-        completed: str = "completed",
-        rows_stopped_at: float | None = None,
-        **fields: Any,
+        self, output: Any, *, completed: str = "completed", rows_stopped_at: float | None = None, **kw: Any
     ) -> Outcome:
-        """Build the Outcome; ``completed`` is the reason used when no stop took effect.
-
-        ``rows_stopped_at`` is when the last row ended by a row condition (a stop string), if any
-        did: with no other stop, the run is then ``stopped`` for ``"stop_string"``, its latency
-        measured from that moment. An escalated run reports ``mode="abort"`` and says so in ``detail``.
-        """
+        """The run's Outcome (see :func:`outcome_of`); closes the control."""
         self.close()
-        assert self._ended is not None
-        stopped = self.seen and self.token.reason is not None
-        reason = self.token.reason if stopped else completed
-        latency = None
-        if stopped and self.token.stopped_at is not None:
-            latency = max(0.0, self._ended - max(self.token.stopped_at, self.started))
-        if not stopped and rows_stopped_at is not None:
-            stopped, reason, latency = True, "stop_string", max(0.0, self._ended - rows_stopped_at)
-        fields.setdefault("mode", self.mode)
-        if self.escalated is not None:
-            fields["mode"] = "abort"
-            note = (
-                f"finish mode had not taken effect {self.escalate_after:g} s after the stop request:"
-                f" escalated to abort after {self.escalated:.3f} s"
-            )
-            fields["detail"] = "; ".join(filter(None, [note, fields.get("detail")]))
-        fields.setdefault("item_reasons", self.item_reasons)
-        return Outcome(
-            stopped=stopped,
-            reason=reason,  # type: ignore[arg-type]
-            steps=self.steps,
-            total_steps=self.total,
-            elapsed=self._ended - self.started,
-            stop_latency=latency,
-            output=output,
-            **fields,
+        return outcome_of(self, output, completed=completed, rows_stopped_at=rows_stopped_at, **kw)
+
+
+def outcome_of(
+    control: RunControl,
+    output: Any,
+    *,
+    completed: str = "completed",
+    rows_stopped_at: float | None = None,
+    **fields: Any,
+) -> Outcome:
+    """A closed run's Outcome; ``completed`` is the reason used when no stop took effect.
+
+    ``rows_stopped_at`` is when the last row ended by a row condition (a stop string), if any
+    did: with no other stop, the run is then ``stopped`` for ``"stop_string"``, its latency
+    measured from that moment. An escalated run reports ``mode="abort"`` and says so in ``detail``.
+    """
+    ended, token = control.ended, control.token
+    assert ended is not None
+    stopped = control.seen and token.reason is not None
+    reason = token.reason if stopped else completed
+    latency = None
+    if stopped and token.stopped_at is not None:
+        latency = max(0.0, ended - max(token.stopped_at, control.started))
+    if not stopped and rows_stopped_at is not None:
+        stopped, reason, latency = True, "stop_string", max(0.0, ended - rows_stopped_at)
+    fields.setdefault("mode", control.mode)
+    if control.escalated is not None:
+        fields["mode"] = "abort"
+        note = (
+            f"finish mode had not taken effect {control.escalate_after:g} s after the stop request:"
+            f" escalated to abort after {control.escalated:.3f} s"
         )
-
-
-@functools.cache
-def _tripwire() -> type[Tripwire]:
-    """:class:`~stopcock.hooks.Tripwire`, imported at the first run that needs it (importing stopcock
-    must not import torch), once: an import statement in the run's path cost it 11 thousand instructions."""
-    from .hooks import Tripwire
-
-    return Tripwire
-
-
-class _Arming:
-    """The ``with`` block of :meth:`RunControl.arming` (and of :meth:`RunControl.intercept`, whose
-    tripwire it ``closes`` at the end): a class rather than a generator, as it is entered on every
-    run, where each Python call counts."""
-
-    __slots__ = ("_closes", "_control", "_kind", "_wire")
-
-    def __init__(
-        self, control: RunControl, wire: Wire, kind: WireKind, *, closes: Tripwire | None = None
-    ) -> None:
-        self._control, self._wire, self._kind, self._closes = control, wire, kind, closes
-
-    def __enter__(self) -> None:
-        entered = False
-        try:
-            self._control._add_wire(self._wire, self._kind)
-            entered = True
-        finally:
-            if not entered:
-                self.__exit__()
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            self._control._drop_wire(self._wire, self._kind)
-        finally:
-            if self._closes is not None:
-                self._closes.close()
-
-
-class _Alarm:
-    """A thread that calls ``due()`` when the moment it last returned comes (or when poked), until
-    ``due()`` returns None or :meth:`close`. ``due()`` arms what is due and returns the next moment."""
-
-    def __init__(self, due: Callable[[], float | None]) -> None:
-        self._due = due
-        self._cond = threading.Condition(threading.RLock())
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="stopcock-alarm", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        with self._cond:
-            while not self._closed:
-                at = self._due()
-                self._cond.wait(None if at is None else max(0.0, at - time.monotonic()))
-
-    def poke(self) -> None:
-        with self._cond:
-            self._cond.notify()
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-        if self._thread is not threading.current_thread():
-            self._thread.join()
+        fields["detail"] = "; ".join(filter(None, [note, fields.get("detail")]))
+    fields.setdefault("item_reasons", control.item_reasons)
+    return Outcome(
+        stopped=stopped,
+        reason=reason,  # type: ignore[arg-type]
+        steps=control.steps,
+        total_steps=control.total,
+        elapsed=ended - control.started,
+        stop_latency=latency,
+        output=output,
+        **fields,
+    )

@@ -8,7 +8,7 @@ until :meth:`Tripwire.arm` is called, from any thread, at the moment a stop beco
 tripwire on chosen modules hooks each of them; one on *every* module (``modules=None``) puts one
 hook in torch's global pre-hook dict, so arming it costs the same for a model of ten modules or
 ten thousand. Checks act only on the thread that made the tripwire, so a concurrent run in another
-thread is not touched (its module calls pay torch's hook path, about a microsecond each, while a
+thread is not touched (its module calls take torch's hook path while a
 global hook is armed); everything is removed when the ``with`` block exits. Inside a compiled graph
 (torch traces the hooks of a module compiled in place into it) the check does nothing: no thread
 can be told apart there, and no Python would run; the next module call outside a graph checks.
@@ -28,9 +28,8 @@ over each other.
 :func:`input_hooks` (before a module call, with its arguments) and :func:`output_hooks` (after
 it: diffusers' fast-forward records the loop models' outputs) are installed at once, act only on
 the thread that installed them and are removed when the ``with`` block exits. They are not torch
-hooks but wrappers of the module's call for this thread (:func:`bound`), so the module keeps
-torch's fast path and a module compiled in place keeps its graph; :func:`bound` replaces a method
-for this thread.
+hooks but wrappers of the module's call for this thread (:func:`stopcock.binding.bound`), so the
+module keeps torch's fast path and a module compiled in place keeps its graph.
 """
 
 from __future__ import annotations
@@ -40,14 +39,16 @@ import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack
 from typing import Any
 
 from torch import compiler, nn
 from torch.nn.modules import module as torch_module
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["Tripwire", "bound", "find_blocks", "input_hooks", "output_hooks", "pre_hooks"]
+from .binding import bound
+
+__all__ = ["Tripwire", "input_hooks", "output_hooks"]
 
 _is_compiling = compiler.is_compiling  # True while torch traces a call into a graph
 
@@ -79,25 +80,6 @@ def _serialised(operation: Callable[[], None]) -> None:
             _busy = False
         if _queued:  # one that came in between the last check and the line above
             _serialised(_queued.popleft())
-
-
-def find_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a model: the items of its outermost ``nn.ModuleList``s.
-
-    For a decoder this is its transformer layers, for a UNet its down and up blocks, for a DiT its
-    transformer blocks. Returns an empty list for a model with no ModuleList.
-    """
-    blocks: list[nn.Module] = []
-
-    def visit(module: nn.Module) -> None:
-        for child in module.children():
-            if isinstance(child, nn.ModuleList):
-                blocks.extend(child)
-            else:
-                visit(child)
-
-    visit(model)
-    return blocks
 
 
 class _Published:
@@ -198,14 +180,6 @@ class Tripwire:
                 entry.withdraw()
 
 
-@contextmanager
-def pre_hooks(modules: Iterable[nn.Module], fn: Callable[[nn.Module], Any]) -> Iterator[None]:
-    """Call ``fn(module)`` before each forward of each module, on this thread only (armed at once)."""
-    with Tripwire(modules, fn) as wire:
-        wire.arm()
-        yield
-
-
 def input_hooks(
     modules: Iterable[nn.Module], fn: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], Any]
 ) -> AbstractContextManager[None]:
@@ -219,13 +193,12 @@ class _ThreadHooks:
     ``fn(module, args, kwargs)``, its result ignored; or after it, as ``fn(module, output)``, a
     result other than None replacing the output.
 
-    Not a torch hook: a module with any hook takes torch's slow call path (about 12,000 instructions
-    a call against a few hundred), and a module compiled in place (``module.compile()``) runs its
-    hooks inside the compiled call, where torch would trace ``fn`` into its graph (the thread check
-    cannot be traced: an error with ``fullgraph=True``, else a graph break and recompiled hook
-    frames). The call itself is wrapped for this thread (:func:`bound`): ``_call_impl`` (the module's
-    hooks and forward), or the compiled call of a module compiled in place, whose graph is not touched.
-    A class rather than a generator: every diffusers run enters two."""
+    Not a torch hook: a module with any hook takes torch's slow call path, and a module compiled in
+    place (``module.compile()``) runs its hooks inside the compiled call, where torch would trace ``fn``
+    into its graph (the thread check cannot be traced: an error with ``fullgraph=True``, else a graph
+    break and recompiled hook frames). The call itself is wrapped for this thread (:func:`bound`):
+    ``_call_impl`` (the module's hooks and forward), or the compiled call of a module compiled in place,
+    whose graph is not touched."""
 
     __slots__ = ("_before", "_fn", "_modules", "_stack")
 
@@ -265,74 +238,6 @@ def _around(
         return output if changed is None else changed
 
     return called_after
-
-
-class _PerThread:
-    """Stands in for ``obj.<name>`` while runs have bound wrappers to it: a call made on a thread
-    with a binding goes to that thread's wrapper, any other call to the attribute as it was."""
-
-    def __init__(self, obj: Any, name: str) -> None:
-        self.obj, self.name = obj, name
-        self.own = obj.__dict__.get(name)  # an instance attribute it replaces, put back at the end
-        self.by_thread: dict[int, Callable[..., Any]] = {}
-
-    @property
-    def __wrapped__(self) -> Callable[..., Any]:
-        """The original, so ``inspect.signature`` reads its signature (diffusers reads the step's)."""
-        return self.original()
-
-    def original(self) -> Callable[..., Any]:
-        if self.own is not None:
-            return self.own  # type: ignore[no-any-return]
-        return getattr(type(self.obj), self.name).__get__(self.obj)  # type: ignore[no-any-return]
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        fn = self.by_thread.get(threading.get_ident())
-        return (fn or self.original())(*args, **kwargs)
-
-
-_BINDING = threading.Lock()
-
-
-def bound(obj: Any, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> _Binding:
-    """For the ``with`` block, calls of ``obj.<name>(...)`` made on this thread go to
-    ``wrap(original)``; calls from other threads are not touched, and concurrent bindings on other
-    threads each get their own. The attribute is as it was once the last binding ends."""
-    return _Binding(obj, name, wrap)
-
-
-class _Binding:
-    """:func:`bound`'s ``with`` block (a class rather than a generator: runs enter one every call)."""
-
-    __slots__ = ("_name", "_obj", "_owner", "_patch", "_previous", "_wrap")
-
-    def __init__(self, obj: Any, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-        self._obj, self._name, self._wrap = obj, name, wrap
-
-    def __enter__(self) -> None:
-        obj, name = self._obj, self._name
-        self._owner = owner = threading.get_ident()
-        with _BINDING:
-            patch = obj.__dict__.get(name)
-            if not isinstance(patch, _PerThread):
-                patch = _PerThread(obj, name)
-                object.__setattr__(obj, name, patch)
-            self._patch = patch
-            self._previous = previous = patch.by_thread.get(owner)
-            patch.by_thread[owner] = self._wrap(previous or patch.original())
-
-    def __exit__(self, *exc: object) -> None:
-        obj, name, patch, owner, previous = self._obj, self._name, self._patch, self._owner, self._previous
-        with _BINDING:
-            if previous is not None:
-                patch.by_thread[owner] = previous
-            else:
-                del patch.by_thread[owner]
-                if not patch.by_thread:
-                    if patch.own is None:
-                        del obj.__dict__[name]
-                    else:
-                        object.__setattr__(obj, name, patch.own)
 
 
 def output_hooks(

@@ -1,4 +1,4 @@
-"""Thread-scoped interception of an object's method: a model call answered from a source.
+"""Per-thread class swap: a method looked up on the type (a model's call) answered from a source.
 
 ``intercepted(obj, method, handler)`` sends the calls of ``obj.method(...)`` made on this thread to
 ``handler(call, *args, **kwargs)``, where ``call`` is the original bound method: the handler may
@@ -14,7 +14,7 @@ observes everything; a stopped loop's models answering from their last output
 
 It works by giving the object, for the duration, a same-named subclass whose ``method`` dispatches
 to this thread's handler: a module's ``__call__`` is looked up on its type, so an instance
-attribute (:func:`stopcock.hooks.bound`, which serves ordinary methods such as ``generate``)
+attribute (:func:`stopcock.binding.bound`, which serves ordinary methods such as ``generate``)
 cannot replace it. That puts the handler outside every rewrite of ``forward`` (accelerate's
 offload hooks, diffusers' hook registry, so a cache hook never sees an answered call), and nothing
 is lost when those rewrites are re-armed mid-call. Other threads' calls
@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any, Protocol
 
-__all__ = ["COMPUTE", "Source", "answering", "intercepted"]
+__all__ = ["COMPUTE", "Source", "answering", "intercepted", "subclass"]
 
 #: What :meth:`Source.answer` returns to let the call run.
 COMPUTE: Any = object()
@@ -38,7 +38,8 @@ COMPUTE: Any = object()
 # in the object's __dict__: (original class, {method: {thread: [handlers, innermost last]}})
 _STATE = "_stopcock_intercepted"
 _lock = threading.Lock()
-_subclasses: dict[tuple[type, frozenset[str]], type] = {}
+_subclasses: dict[tuple[type, Hashable], type] = {}
+_subclassing = threading.Lock()
 
 
 def _dispatcher(original: type, method: str) -> Callable[..., Any]:
@@ -55,13 +56,20 @@ def _dispatcher(original: type, method: str) -> Callable[..., Any]:
     return dispatch
 
 
-def _subclass(original: type, methods: frozenset[str]) -> type:
-    key = (original, methods)
-    if key not in _subclasses:
-        attrs: dict[str, Any] = {m: _dispatcher(original, m) for m in methods}
-        attrs.update(__module__=original.__module__, __qualname__=original.__qualname__)
-        _subclasses[key] = type(original)(original.__name__, (original,), attrs)  # its own metaclass
-    return _subclasses[key]
+def subclass(original: type, key: Hashable, attrs: Callable[[], dict[str, Any]]) -> type:
+    """A subclass of ``original`` with ``attrs()``, made once per ``(original, key)``: of the same
+    name, module and qualified name, and built by ``original``'s own metaclass. Every class swap of
+    the package makes its classes here (:func:`intercepted`, :func:`stopcock.diffusers.guard`)."""
+    with _subclassing:
+        found = _subclasses.get((original, key))
+        if found is None:
+            body = {**attrs(), "__module__": original.__module__, "__qualname__": original.__qualname__}
+            found = _subclasses[(original, key)] = type(original)(original.__name__, (original,), body)
+        return found
+
+
+def _intercepting(original: type, methods: frozenset[str]) -> type:
+    return subclass(original, methods, lambda: {m: _dispatcher(original, m) for m in methods})
 
 
 def _retype(obj: Any) -> None:
@@ -69,7 +77,7 @@ def _retype(obj: Any) -> None:
     original, handlers = vars(obj)[_STATE]
     methods = frozenset(m for m, by_thread in handlers.items() if by_thread)
     if methods:
-        obj.__class__ = _subclass(original, methods)
+        obj.__class__ = _intercepting(original, methods)
     else:
         obj.__class__ = original
         del vars(obj)[_STATE]

@@ -117,15 +117,15 @@ class PauseSignal(Condition):
                 self._runs.pop(me, None)
 
 
-_NOTHING: AbstractContextManager[None] = nullcontext()  # reusable: it holds no state
+_NOT_HELD: AbstractContextManager[None] = nullcontext()  # reusable: it holds no state
 
 
 def holding(condition: Condition | None, token: StopSignal, target: Any) -> AbstractContextManager[Any]:
     """Bind every :class:`PauseSignal` at the top level of a run's conditions to the run."""
     if type(condition) is Signalled:  # stop=signal, the usual case: nothing to bind
-        return _NOTHING
+        return _NOT_HELD
     pauses = [leaf for leaf in top_level(condition) if isinstance(leaf, PauseSignal)]
-    return _held(pauses, token, target) if pauses else _NOTHING
+    return _held(pauses, token, target) if pauses else _NOT_HELD
 
 
 @contextmanager

@@ -35,13 +35,14 @@ from functools import partial
 from typing import Any
 
 from .conditions import StopLike
-from .events import Done, Event, EventMaker, Step, TextChunk, TextDecoder
+from .events import Done, Event, EventMaker, Step, TextChunk
 from .outcome import Outcome
 from .previews import latent_preview
 from .runner import Bound
 from .signal import StopSignal
 from .worker import Channel, start_worker
 
+# The events a stream yields and the latent preview are part of this module's documented API.
 __all__ = [
     "Done",
     "Event",
@@ -49,7 +50,6 @@ __all__ = [
     "Step",
     "Stream",
     "TextChunk",
-    "TextDecoder",
     "latent_preview",
     "stream",
 ]

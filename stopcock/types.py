@@ -10,7 +10,7 @@ from .conditions import StopLike
 __all__ = ["MODES", "Mode", "PARTIALS", "PREVIEWS", "Partial", "Preview", "StopLike", "choice"]
 
 #: ``"finish"``: end at the next step with the output the library builds; ``"abort"``: abandon the
-#: run inside the model forward at the next block.
+#: run inside the model forward at the next module call.
 Mode = Literal["finish", "abort"]
 #: What a stopped diffusion run decodes: the latents as they were, or the x0 estimate of that step.
 Partial = Literal["raw", "denoised"]

@@ -131,7 +131,7 @@ def ray_serve(text_model_dir, image_model_dir, tmp_path_factory):
     from ray import serve
 
     from stopcock.server.ray_deploy import REGISTRY, RayOptions, build
-    from stopcock.server.ray_engine import ModelSpec
+    from stopcock.server.ray_engine.wire import ModelSpec
 
     ray.init(
         num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False,

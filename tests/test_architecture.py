@@ -194,3 +194,83 @@ def test_callbacks_remove_each_registration_on_its_own():
 def test_the_stream_types_are_exported():
     for name in ("Stream", "AsyncStream", "TextChunk", "Step", "Done", "Event"):
         assert name in stopcock.__all__ and getattr(stopcock, name) is not None
+
+
+def test_a_class_swap_builds_its_subclass_with_the_classs_own_metaclass():
+    from diffusers import StableDiffusionPipeline
+
+    from stopcock.intercept import subclass
+
+    meta = type("Meta", (type(StableDiffusionPipeline),), {})
+    custom = meta("CustomPipeline", (StableDiffusionPipeline,), {"__module__": __name__})
+    made = subclass(custom, "probe", lambda: {"probe": True})
+    assert type(made) is meta and made.__name__ == "CustomPipeline" and made.probe
+    assert subclass(custom, "probe", lambda: {}) is made  # made once per class and key
+
+    pipe = custom(**tiny.stable_diffusion_pipeline().components)
+    assert stopcock.guard(pipe) is pipe and type(type(pipe)) is meta and isinstance(pipe, custom)
+    with pytest.raises(TypeError, match=r"stopping_criteria.*stop="):
+        pipe("a cat", num_inference_steps=1, stopping_criteria=[])
+
+
+def test_a_method_bound_for_a_thread_leaves_other_threads_and_comes_off():
+    import threading
+
+    from stopcock.binding import bound
+
+    class Counter:
+        def value(self) -> int:
+            return 1
+
+    counter = Counter()
+    seen: list[int] = []
+    with bound(counter, "value", lambda original: lambda: original() + 10):
+        with bound(counter, "value", lambda original: lambda: original() + 100):
+            seen.append(counter.value())
+        seen.append(counter.value())
+        other = threading.Thread(target=lambda: seen.append(counter.value()))
+        other.start()
+        other.join(timeout=10)
+    assert seen == [111, 11, 1] and "value" not in vars(counter) and counter.value() == 1
+
+
+def test_library_helpers_have_their_namespaces_and_keep_their_top_level_names():
+    import stopcock.diffusers
+    import stopcock.transformers
+
+    assert stopcock.transformers.stopping_criteria is stopcock.stopping_criteria
+    for name in ("step_callback", "attach", "guard"):
+        assert getattr(stopcock.diffusers, name) is getattr(stopcock, name)
+
+
+MAX_CLASS_LINES, MAX_MODULE_LINES = 200, 600
+#: Still over the limits, each with the most lines it may have until it is split: an entry may only
+#: shrink, and goes once its class or module fits.
+NOT_SPLIT_YET: dict[str, int] = {
+    "stopcock.control.RunControl": 278,
+    "stopcock.lint.resolve.Resolver": 345,
+    "stopcock.server.engine.LocalEngine": 307,
+    "stopcock.server.ray_engine.registry.JobRegistry": 509,
+}
+
+
+def _sizes() -> tuple[dict[str, int], dict[str, int]]:
+    """The lines of each module of the package (by dotted name) and of each class (``module.Class``)."""
+    modules, classes = {}, {}
+    for path in PACKAGE.rglob("*.py"):
+        module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        source = path.read_text()
+        modules[module] = len(source.splitlines())
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+                classes[f"{module}.{node.name}"] = node.end_lineno - node.lineno + 1
+    return modules, classes
+
+
+def test_no_class_over_200_lines_and_no_module_over_600():
+    modules, classes = _sizes()
+    over = {name: n for name, n in modules.items() if n > MAX_MODULE_LINES}
+    over |= {name: n for name, n in classes.items() if n > MAX_CLASS_LINES}
+    grown = {name: n for name, n in over.items() if n > NOT_SPLIT_YET.get(name, 0)}
+    assert grown == {}
+    assert sorted(name for name in NOT_SPLIT_YET if name not in over) == []  # split: take it off the list

@@ -10,7 +10,7 @@ from torch import nn
 
 import stopcock
 from stopcock.control import Abort, RunControl
-from stopcock.hooks import find_blocks, pre_hooks
+from tiny.blocks import find_blocks, pre_hooks
 
 
 def test_a_stop_before_the_run_is_seen_at_the_first_check():

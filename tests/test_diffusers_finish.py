@@ -22,6 +22,8 @@ from diffusers import DDPMScheduler, DiffusionPipeline
 
 import stopcock
 from stopcock.adapters.diffusers import honours_interrupt
+from stopcock.adapters.diffusers_parts import StageCall
+from stopcock.binding import _PerThread
 from stopcock.intercept import intercepted
 from tiny import image as tiny
 
@@ -113,7 +115,7 @@ def assert_clean(pipe: Any) -> None:
                                                                 *m._forward_hooks.values())]
             assert not [h for h in hooks if h.__module__.startswith("stopcock")], name
         assert "step" not in getattr(component, "__dict__", {}), name
-    assert not any(isinstance(v, stopcock.adapters.diffusers._Stage) for v in vars(pipe).values())
+    assert not any(isinstance(v, (StageCall, _PerThread)) for v in vars(pipe).values())
 
 
 @pytest.fixture(scope="module", params=KINDS, ids=lambda k: k.name)

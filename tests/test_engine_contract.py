@@ -53,7 +53,7 @@ def server(request, server_backends) -> Iterator[Server]:
         with serving(server_backends, api_keys=RAY_KEYS, **options) as (url, engine):
             yield Server("local", url, engine.stats, lambda: engine)
         return
-    from stopcock.server.ray_engine import RayEngine
+    from stopcock.server.ray_engine.ingress import RayEngine
 
     ray = request.getfixturevalue("ray_serve")
     models = {"text": {"id": "tiny-text", "description": ""}, "image": {"id": "tiny-sd", "description": ""}}

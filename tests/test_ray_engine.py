@@ -201,7 +201,7 @@ def test_a_replica_killed_mid_job_fails_the_job_which_is_not_run_again(ray_serve
 def test_a_registry_restart_loses_no_acknowledged_stop(ray_serve, client):
     import ray
 
-    from stopcock.server.ray_engine import RayEngine
+    from stopcock.server.ray_engine.ingress import RayEngine
 
     running = [submit(client, text_job()).json() for _ in range(2)]
     for job in running:

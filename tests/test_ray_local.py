@@ -13,17 +13,15 @@ import pytest
 
 pytest.importorskip("ray")
 
+from ray_doubles import LocalHandle, construct  # tests/ is on sys.path under pytest
+
 from stopcock.server.backends import ImageBackend
-from stopcock.server.contract import Event, JobSpec
+from stopcock.server.contract import JobEvent, JobSpec
 from stopcock.server.jobs import Job
-from stopcock.server.ray_engine import (
-    JobRegistry,
-    LocalHandle,
-    ModelReplica,
-    ModelSpec,
-    RayEngine,
-    construct,
-)
+from stopcock.server.ray_engine.ingress import RayEngine
+from stopcock.server.ray_engine.registry import JobRegistry
+from stopcock.server.ray_engine.replica import ModelReplica
+from stopcock.server.ray_engine.wire import ModelSpec
 from stopcock.server.schemas import ImageParameters
 
 OWNER = "me"
@@ -237,8 +235,8 @@ def test_events_numbered_elsewhere_keep_their_numbers():
     assert [e.seq for e in job.events if e is not None] == [2]
     copy = Job(text(3), OWNER)
     copy.emit("queued", position=1)
-    copy.put(Event(5, "progress", {"step": 3, "total": 3}))
-    copy.put(Event(2, "started", {}))  # older than what it holds: already past
+    copy.put(JobEvent(5, "progress", {"step": 3, "total": 3}))
+    copy.put(JobEvent(2, "started", {}))  # older than what it holds: already past
     assert [e.seq if e else None for e in copy.events] == [1, None, None, None, 5]
 
 

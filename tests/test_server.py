@@ -335,7 +335,7 @@ def test_image_job_on_a_text_only_server_is_refused(text_pipe):
 
 
 def test_image_backends_check_what_the_pipeline_takes():
-    from stopcock.server.engine import InvalidJob, JobSpec
+    from stopcock.server.contract import InvalidJob, JobSpec
     from stopcock.server.schemas import ImageParameters
     from tiny.image import ddpm_pipeline, lcm_pipeline
 

@@ -20,7 +20,8 @@ from schemathesis.checks import not_a_server_error
 
 from stopcock.outcome import Outcome
 from stopcock.server.app import create_app
-from stopcock.server.engine import Backend, JobSpec, LocalEngine, RunContext
+from stopcock.server.contract import Backend, JobSpec, RunContext
+from stopcock.server.engine import LocalEngine
 
 
 class TwoSteps:

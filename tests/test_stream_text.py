@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import stopcock
-from stopcock.stream import Done, TextChunk, TextDecoder
+from stopcock.events import TextDecoder
+from stopcock.stream import Done, TextChunk
 
 BOUND = 60  # seconds: a hang guard for waits on events, never a timing assertion
 

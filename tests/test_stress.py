@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import stopcock
-from stopcock.hooks import find_blocks
+from tiny.blocks import find_blocks
 
 RUNS = 300
 NEW = 16

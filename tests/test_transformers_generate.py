@@ -8,7 +8,7 @@ from transformers import MaxLengthCriteria, StoppingCriteria, StoppingCriteriaLi
 from transformers.generation.streamers import BaseStreamer
 
 import stopcock
-from stopcock.hooks import find_blocks
+from tiny.blocks import find_blocks
 
 PROMPTS = ["Hello world", "The quick brown fox"]
 NEW = 24

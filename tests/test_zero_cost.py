@@ -610,9 +610,9 @@ def test_a_pipelines_generate_settings_follow_its_generation_config(text_model_d
 )
 def test_a_run_reads_the_components_diffusers_reports(build):
     """The components a run binds, read without diffusers' per-call signature walk, are diffusers' own."""
-    from stopcock.adapters.diffusers import _Binding
+    from stopcock.adapters.diffusers_parts import components
 
     pipe = build()
     theirs = {name: c for name, c in dict(pipe.components).items() if c is not None}
-    ours = _Binding(pipe, RunControl())._components
+    ours = components(pipe)
     assert list(ours) == list(theirs) and all(ours[name] is theirs[name] for name in theirs)

@@ -11,7 +11,8 @@ A forward hook cannot skip a computation, so a held model's ``__call__`` is inte
 thread only (:func:`stopcock.intercept.intercepted`: a same-named subclass for the run): a model shared
 with a pipeline running in another thread keeps computing there. An answered call runs none of the model's
 hooks (nor accelerate's or diffusers' wrappers of its ``forward``): to them it did not happen. The
-outputs are recorded by torch forward hooks.
+outputs are recorded by a wrapper of each model's call bound for the run's thread
+(:func:`stopcock.hooks.output_hooks`), not by torch hooks.
 """
 
 from __future__ import annotations

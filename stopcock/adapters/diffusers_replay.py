@@ -33,14 +33,12 @@ from ..checkpoint import (
     CheckpointError,
     CheckpointMismatch,
     ObjectState,
-    check_fingerprint,
     config_data,
     digest,
     freeze_call,
     model_fingerprint,
     restore_rng,
     rng_state,
-    thaw,
     versions,
     vocab_digest,
 )
@@ -49,6 +47,7 @@ from ..intercept import COMPUTE, answering
 from ..outcome import Outcome
 from ..state import StepState
 from .diffusers import DiffusersAdapter
+from .resumable import ResumeScaffold
 
 __all__ = ["ADAPTER", "ResumableDiffusersAdapter", "fingerprint", "loop_models"]
 
@@ -351,7 +350,7 @@ def _made(pipe: Any, source: _Replay, call: dict[str, Any], rng: Any, outcome: O
     )
 
 
-class ResumableDiffusersAdapter(DiffusersAdapter):
+class ResumableDiffusersAdapter(ResumeScaffold, DiffusersAdapter):
     """The diffusers adapter with the :class:`~stopcock.adapters.base.Resumable` capability: replay."""
 
     def record(
@@ -367,20 +366,21 @@ class ResumableDiffusersAdapter(DiffusersAdapter):
         outcome.checkpoint = _made(target, source, call, rng, outcome)
         return outcome
 
-    def resume(
+    def fingerprint(self, target: Any) -> dict[str, Any]:
+        return fingerprint(target)
+
+    def continued(
         self,
         target: Any,
         checkpoint: Checkpoint,
         control: RunControl,
-        given: dict[str, Any],
+        call: dict[str, Any],
         *,
-        record: bool = False,
+        record: bool,
         **options: Any,
-    ) -> Outcome:
+    ) -> tuple[Outcome, dict[str, Any]]:
         """Continue ``checkpoint`` on ``target`` by replay (see the module docstring)."""
-        check_fingerprint(checkpoint, fingerprint(target))
         state = checkpoint.state
-        call = thaw(state["call"], given)
         if state["rng"] is not None:
             restore_rng(state["rng"])
         source = _Replay(loop_models(target), state, control)
@@ -388,19 +388,12 @@ class ResumableDiffusersAdapter(DiffusersAdapter):
         with answering(source.models.values(), source):
             outcome = self.run(target, tuple(call["args"]), call["kwargs"], control, **options)
         done = len(source.steps)  # the steps before the stop (replayed ones included)
-        saved = min(checkpoint.steps, done)
-        outcome.resumed = {
-            "from_step": checkpoint.steps,
-            "saved_steps": saved,
-            "exact": True,
-            "how": "replay",
-        }
         if record:  # a resume stopped before the checkpoint's step keeps the checkpoint: it is further on
             further = done < checkpoint.steps
             outcome.checkpoint = (
                 checkpoint if further else _made(target, source, state["call"], state["rng"], outcome)
             )
-        return outcome
+        return outcome, {"saved_steps": min(checkpoint.steps, done), "exact": True, "how": "replay"}
 
 
 ADAPTER = ResumableDiffusersAdapter()

@@ -1,7 +1,7 @@
 """Checkpoint and resume text generation: ``generate`` and the text-generation pipeline.
 
 Recording binds the model's ``generate`` for the run, on the run's thread
-(:func:`stopcock.hooks.bound`, as the adapter does), so one mechanism serves a model and a pipeline
+(:func:`stopcock.binding.bound`, as the adapter does), so one mechanism serves a model and a pipeline
 (which calls ``generate`` itself). Each call is made
 with ``return_dict_in_generate=True`` (and answered as its caller asked), which gives back the KV
 cache; when the call ends the recorder keeps its prompt and mask, the token ids so far (stopcock's
@@ -37,26 +37,26 @@ from transformers import (
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from ..binding import bound
 from ..checkpoint import (
     Checkpoint,
     CheckpointError,
     CheckpointMismatch,
     ObjectState,
-    check_fingerprint,
     config_data,
     digest,
     freeze_call,
     model_fingerprint,
     restore_rng,
     rng_state,
-    thaw,
     versions,
     vocab_digest,
 )
 from ..control import RunControl
-from ..hooks import bound
 from ..outcome import Outcome
-from .transformers import TransformersAdapter, _RunCriteria, _Settings
+from .resumable import ResumeScaffold
+from .transformers import TransformersAdapter
+from .transformers_criteria import _RunCriteria, _Settings, _why_rows_ended
 
 __all__ = ["ADAPTER", "ResumableTransformersAdapter", "fingerprint"]
 
@@ -235,7 +235,8 @@ class _Generate:
             sequences, cache = criteria.so_far(prompt), None
         ended = []
         if criteria.last_ids is not None:  # the criterion saw a step, so it knows where the prompt ends
-            ended = [i for i, r in enumerate(criteria.reasons(sequences)) if r in ("eos", "stop_string")]
+            reasons = _why_rows_ended(criteria, sequences)
+            ended = [i for i, r in enumerate(reasons) if r in ("eos", "stop_string")]
         kept, why = None, "the run was abandoned inside a forward (abort mode), so its cache was not complete"
         if cache is not None:
             try:
@@ -378,7 +379,7 @@ def _checkpoint(
     )
 
 
-class ResumableTransformersAdapter(TransformersAdapter):
+class ResumableTransformersAdapter(ResumeScaffold, TransformersAdapter):
     """The transformers adapter with the :class:`~stopcock.adapters.base.Resumable` capability."""
 
     def record(
@@ -392,20 +393,21 @@ class ResumableTransformersAdapter(TransformersAdapter):
         outcome.checkpoint = _checkpoint(target, call, handler, outcome, None)
         return outcome
 
-    def resume(
+    def fingerprint(self, target: Any) -> dict[str, Any]:
+        return fingerprint(target)
+
+    def continued(
         self,
         target: Any,
         checkpoint: Checkpoint,
         control: RunControl,
-        given: dict[str, Any],
+        call: dict[str, Any],
         *,
-        record: bool = False,
+        record: bool,
         **options: Any,
-    ) -> Outcome:
+    ) -> tuple[Outcome, dict[str, Any]]:
         """Continue ``checkpoint`` on ``target`` from its cache (see the module docstring)."""
-        check_fingerprint(checkpoint, fingerprint(target))
         state = checkpoint.state
-        call = thaw(state["call"], given)
         args, kwargs = tuple(call["args"]), dict(call["kwargs"])
         many = _many(target, args)
         done = list(state.get("done", []))
@@ -419,12 +421,6 @@ class ResumableTransformersAdapter(TransformersAdapter):
         if outcome is None:  # a list whose items were all done
             outcome = control.outcome([], completed="completed")
         exact = saved is None or saved["cache"] is not None
-        outcome.resumed = {
-            "from_step": checkpoint.steps,
-            "saved_steps": checkpoint.steps,
-            "exact": exact,
-            "how": "cache" if exact else "recompute",
-        }
         if not exact:
             note = (
                 f"resumed by recomputing the cache from the ids ({saved['why']}): the same tokens in"
@@ -438,7 +434,8 @@ class ResumableTransformersAdapter(TransformersAdapter):
             outcome.total_steps = checkpoint.total
         if record:
             outcome.checkpoint = _checkpoint(target, state["call"], handler, outcome, state if many else None)
-        return outcome
+        how = {"saved_steps": checkpoint.steps, "exact": exact, "how": "cache" if exact else "recompute"}
+        return outcome, how
 
 
 ADAPTER = ResumableTransformersAdapter()

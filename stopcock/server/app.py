@@ -2,7 +2,7 @@
 
 The app holds no module-level state: :func:`create_app` puts the engine and the keys on
 ``app.state`` and every handler reaches them through ``request.app.state``, so the same app can be
-served over another :class:`~stopcock.server.engine.Engine` (e.g. a distributed one) unchanged.
+served over another :class:`~stopcock.server.contract.Engine` (e.g. a distributed one) unchanged.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
+from .contract import Engine, InvalidJob, JobNotFound, JobStateConflict, KindNotServed, QueueFull
 from .deps import MAX_BODY_BYTES, ApiError, Keys, error_response
-from .engine import Engine, InvalidJob, JobNotFound, JobStateConflict, KindNotServed, QueueFull
 from .jobs_api import jobs
 from .openai_api import openai
 

@@ -11,7 +11,7 @@ Job states: ``queued`` -> ``running`` -> ``stopping`` (a stop was requested) -> 
 running. A running job can also be held with its checkpoint: ``paused`` by its owner (until
 ``resume``, which queues it again), or ``preempted`` by a job of higher ``priority`` (it waits in
 the queue and resumes from its checkpoint when a worker is free); a held job that is stopped ends
-at once as ``stopped``. Events (``Event.type``): ``queued``, ``started`` (``resumed_from``: the
+at once as ``stopped``. Events (``JobEvent.type``): ``queued``, ``started`` (``resumed_from``: the
 checkpoint's step when it resumes), ``progress`` (step, total), ``text`` (a chunk of generated
 text), ``preview`` (a PNG of the current step, base64), ``item`` (an item of a job with several
 prompts started or ended: index, prompt, state, reason, steps), ``paused`` and ``preempted`` (step,
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args, runtime_checkable
 
 from ..conditions import Condition
 from ..outcome import Outcome
@@ -35,14 +35,16 @@ if TYPE_CHECKING:
 __all__ = [
     "FINAL_STATES",
     "HELD_STATES",
+    "JOB_STATES",
     "PAUSED",
     "PREEMPTED",
     "Backend",
     "Engine",
-    "Event",
+    "JobEvent",
     "InvalidJob",
     "JobNotFound",
     "JobSpec",
+    "JobState",
     "JobStateConflict",
     "JobView",
     "KindNotServed",
@@ -54,10 +56,14 @@ __all__ = [
     "job_id_of",
 ]
 
-FINAL_STATES = frozenset({"stopped", "completed", "failed"})
+#: A job's state, the same in every engine (the transitions are in the module docstring).
+JobState = Literal["queued", "running", "stopping", "paused", "preempted", "stopped", "completed", "failed"]
+JOB_STATES: tuple[JobState, ...] = get_args(JobState)
+FINAL_STATES: frozenset[JobState] = frozenset({"stopped", "completed", "failed"})
 #: A held job's state, which is also the reason its run was stopped with (its checkpoint is kept).
-PAUSED, PREEMPTED = "paused", "preempted"
-HELD_STATES = frozenset({PAUSED, PREEMPTED})
+PAUSED: Literal["paused"] = "paused"
+PREEMPTED: Literal["preempted"] = "preempted"
+HELD_STATES: frozenset[JobState] = frozenset({PAUSED, PREEMPTED})
 
 #: The OpenAI-compatible responses' ids are the job id behind one of these prefixes; a job id never
 #: starts with one (nor with ``-``, which command-line tools read as an option): see
@@ -115,7 +121,7 @@ class JobSpec:
 
 
 @dataclass(frozen=True)
-class Event:
+class JobEvent:
     """One job event; ``seq`` counts from 1 in the order of the job's events."""
 
     seq: int
@@ -134,7 +140,7 @@ class JobView:
 
     id: str
     kind: str
-    state: str
+    state: JobState
     step: int
     total: int | None
     reason: str | None
@@ -243,7 +249,7 @@ class Engine(Protocol):
 
     async def wait(self, job_id: str, owner: str, timeout: float | None = None) -> JobView: ...
 
-    def events(self, job_id: str, owner: str, after: int = 0) -> AsyncIterator[Event]: ...
+    def events(self, job_id: str, owner: str, after: int = 0) -> AsyncIterator[JobEvent]: ...
 
     async def result(self, job_id: str, owner: str) -> dict[str, Any]: ...
 

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.types import Receive, Scope, Send
 
-from .engine import Engine, Event, JobView
+from .contract import Engine, JobEvent, JobView
 
 __all__ = [
     "MAX_BODY_BYTES", "ApiError", "EventStream", "Keys", "Owner", "engine_of", "error_response", "owner",
@@ -91,7 +91,7 @@ def engine_of(request: Request) -> Engine:
 Owner = Annotated[str, Depends(owner)]
 
 
-def sse(event: Event) -> str:
+def sse(event: JobEvent) -> str:
     return f"id: {event.seq}\nevent: {event.type}\ndata: {json.dumps(event.to_json())}\n\n"
 
 

@@ -33,24 +33,19 @@ from .contract import (
     PAUSED,
     PREEMPTED,
     Backend,
-    Engine,
-    Event,
-    InvalidJob,
+    JobEvent,
     JobNotFound,
     JobSpec,
+    JobState,
     JobStateConflict,
     JobView,
     KindNotServed,
     Lane,
     QueueFull,
-    RunContext,
 )
 from .jobs import Job as _Job
 
 __all__ = ["LocalEngine"]
-# The contract's names, importable from here as before (``stopcock.server.engine.Engine``).
-__all__ += ["FINAL_STATES", "Backend", "Engine", "Event", "InvalidJob", "JobNotFound", "JobSpec", "JobView",
-            "KindNotServed", "Lane", "QueueFull", "RunContext", "JobStateConflict"]
 
 log = logging.getLogger("stopcock.server")
 
@@ -213,7 +208,7 @@ class LocalEngine:
         await self._wait_final(job, timeout)
         return job.view()
 
-    async def events(self, job_id: str, owner: str, after: int = 0) -> AsyncIterator[Event]:
+    async def events(self, job_id: str, owner: str, after: int = 0) -> AsyncIterator[JobEvent]:
         """The job's events with ``seq > after``, as they come, up to ``done`` (none after it)."""
         async for event in _jobs.events(self._find(job_id, owner), after):
             yield event
@@ -289,7 +284,7 @@ class LocalEngine:
             victim = min(victims, key=lambda j: (j.spec.priority, -(j.started or 0.0)))
             victim.interrupt.stop(PREEMPTED)
 
-    def _hold(self, job: _Job, state: str) -> None:
+    def _hold(self, job: _Job, state: JobState) -> None:
         """Under ``_lock``: the job is held (paused, or preempted and queued again) with its checkpoint."""
         with job.lock:
             job.state = state
@@ -317,8 +312,7 @@ class LocalEngine:
             try:
                 ended = self._run(job, lanes[job.spec.kind])
             finally:  # the slot is free once the run has returned; then the job's end is told
-                interrupted = ("failed", "error", None, "the worker was interrupted")
-                state, reason, summary, error = ended or interrupted
+                state, reason, summary, error = ended or _jobs.INTERRUPTED
                 with self._lock:
                     self._running -= 1
                     self._active.discard(job)
@@ -349,7 +343,7 @@ class LocalEngine:
     def _finish(
         self,
         job: _Job,
-        state: str,
+        state: JobState,
         reason: str,
         *,
         outcome: dict[str, Any] | None,

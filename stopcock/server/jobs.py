@@ -26,7 +26,18 @@ from ..files import png_base64
 from ..outcome import Outcome
 from ..signal import StopSignal
 from ..state import StepState
-from .contract import FINAL_STATES, HELD_STATES, RESPONSE_ID_PREFIXES, Event, JobSpec, JobView, Lane
+from .contract import (
+    FINAL_STATES,
+    HELD_STATES,
+    PAUSED,
+    PREEMPTED,
+    RESPONSE_ID_PREFIXES,
+    JobEvent,
+    JobSpec,
+    JobState,
+    JobView,
+    Lane,
+)
 
 __all__ = [
     "Changes",
@@ -43,12 +54,15 @@ __all__ = [
     "summary_of_end",
     "wait_final",
     "wait_until",
+    "INTERRUPTED",
 ]
 
 log = logging.getLogger("stopcock.server")
 
 #: How a run ended: its final state, reason, Outcome summary (None: build one) and error.
-Ended = tuple[str, str, dict[str, Any] | None, str | None]
+Ended = tuple[JobState, str, dict[str, Any] | None, str | None]
+#: The end of a job whose worker was interrupted before its run returned.
+INTERRUPTED: Ended = ("failed", "error", None, "the worker was interrupted")
 
 
 def new_id() -> str:
@@ -119,7 +133,7 @@ class Job:
         self.checkpoint: Any = None  # what a held job resumes from
         self.saved_steps = 0  # steps its resumes did not recompute
         self.preemptions = 0
-        self.state = "queued"
+        self.state: JobState = "queued"
         self.step = 0
         self.total: int | None = None
         self.reason: str | None = None
@@ -130,22 +144,22 @@ class Job:
         self.outcome: dict[str, Any] | None = None
         self.result: dict[str, Any] | None = None
         self.error: str | None = None
-        self.events: list[Event | None] = [None] * seq  # None: an older preview (dropped), or unknown
+        self.events: list[JobEvent | None] = [None] * seq  # None: an older preview (dropped), or unknown
         self.ended = False  # the done event has been emitted
         self._last_preview: int | None = None
         self.changes = Changes()
         self.lock = threading.Lock()
-        self.listener: Callable[[Event], None] | None = None
+        self.listener: Callable[[JobEvent], None] | None = None
 
     def emit(self, type_: str, **data: Any) -> None:
         with self.lock:
-            event = Event(len(self.events) + 1, type_, data)
+            event = JobEvent(len(self.events) + 1, type_, data)
             self._add(event)
         if self.listener is not None:
             self.listener(event)
         self.changes.bump()
 
-    def put(self, event: Event) -> None:
+    def put(self, event: JobEvent) -> None:
         """Record an event numbered elsewhere, at its ``seq`` (the ones in between stay unknown)."""
         with self.lock:
             if event.seq <= len(self.events):
@@ -154,7 +168,7 @@ class Job:
             self._add(event)
         self.changes.bump()
 
-    def _add(self, event: Event) -> None:
+    def _add(self, event: JobEvent) -> None:
         if event.type == "preview":
             if self._last_preview is not None:
                 self.events[self._last_preview] = None
@@ -316,12 +330,14 @@ def run_lane(job: Job, lane: Lane, step_delay: float = 0.0, escalate_after: floa
         job.outcome = outcome.summary()
         if held:
             job.stop_step = None  # a later stop is measured against the resumed run's own steps
-    state = outcome.reason if held else ("stopped" if outcome.stopped else "completed")
+    state: JobState = "stopped" if outcome.stopped else "completed"
+    if held:
+        state = PAUSED if outcome.reason == PAUSED else PREEMPTED
     return state, outcome.reason, outcome.summary(), None
 
 
 def summary_of_end(
-    state: str, reason: str, step: int, total: int | None, started: float | None, detail: str | None
+    state: JobState, reason: str, step: int, total: int | None, started: float | None, detail: str | None
 ) -> dict[str, Any]:
     """The Outcome summary of a job that never ran, or failed: the same shape as a run's."""
     return Outcome.without_output(
@@ -335,7 +351,7 @@ def summary_of_end(
 
 def finish(
     job: Job,
-    state: str,
+    state: JobState,
     reason: str,
     *,
     outcome: dict[str, Any] | None,
@@ -369,13 +385,13 @@ async def wait_until(job: Job, done: Callable[[], bool], timeout: float | None) 
         await job.changes.wait_past(version, left)
 
 
-def since(job: Job, after: int) -> tuple[list[Event], int, bool]:
+def since(job: Job, after: int) -> tuple[list[JobEvent], int, bool]:
     """The job's known events with ``seq > after``, the new cursor, and whether ``done`` is among them."""
     with job.lock:
         return [e for e in job.events[after:] if e is not None], len(job.events), job.ended
 
 
-async def events(job: Job, after: int = 0) -> AsyncIterator[Event]:
+async def events(job: Job, after: int = 0) -> AsyncIterator[JobEvent]:
     """The job's events with ``seq > after``, as they come, up to ``done`` (none after it)."""
     while True:
         version = job.changes.version

@@ -16,9 +16,8 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Depends, Header, Query, Request
 
-from .contract import Pausable, job_id_of
+from .contract import FINAL_STATES, Pausable, job_id_of
 from .deps import ApiError, EventStream, Owner, engine_of, sse, until_done_or_gone
-from .engine import FINAL_STATES
 from .schemas import MAX_EVENT_ID, JobRequest
 
 __all__ = ["jobs"]

@@ -17,8 +17,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from .contract import JobSpec, JobView
 from .deps import ApiError, EventStream, Owner, engine_of, until_done_or_gone
-from .engine import JobSpec, JobView
 from .schemas import ChatRequest, CompletionRequest, ImageRequest
 
 __all__ = ["StopTrimmer", "finish_reason", "openai"]

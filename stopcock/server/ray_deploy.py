@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
-from .ray_engine import ModelSpec
+from .ray_engine.wire import ModelSpec
 
 __all__ = ["APP_NAME", "REGISTRY", "RayOptions", "app", "build", "model_deployment", "serve_forever"]
 
@@ -98,7 +98,8 @@ def build(options: RayOptions) -> Any:
     """The Serve application (a bound ``Ingress`` deployment, with everything it needs) for ``options``."""
     from ray import serve
 
-    from .ray_engine import JobRegistry, ModelReplica
+    from .ray_engine.registry import JobRegistry
+    from .ray_engine.replica import ModelReplica
 
     models = {s.kind: {"id": s.served_name, "description": s.served_description} for s in options.models}
     handles = {}
@@ -152,7 +153,7 @@ def _ingress(keys: list[str], models: Mapping[str, Mapping[str, str]]) -> Any:
 
     def build_app() -> Any:
         from .app import create_app
-        from .ray_engine import RayEngine
+        from .ray_engine.ingress import RayEngine
 
         context = serve.get_replica_context()
         registry = serve.get_deployment_handle(REGISTRY, context.app_name)

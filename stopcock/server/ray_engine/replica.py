@@ -1,0 +1,234 @@
+"""The Ray engine's model replicas: the backend, its lanes (the device lease), the stop poll and the
+report loop.
+
+:meth:`ModelReplica.run` is the deployment's only request: the registry sends each job there and
+Serve routes it to a replica with a free request slot (``max_ongoing_requests`` = ``concurrency``).
+The job's whole life runs in a task of its own, so a cancelled request (Serve frees its slot)
+neither stops the job nor frees its lane: the lane comes back only when the pipeline has returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import pickle
+import threading
+import time
+from typing import Any
+
+from ..contract import Backend, JobEvent, JobSpec, Lane
+from ..jobs import INTERRUPTED, Job, checked_grace, finish, run_lane
+from .wire import POLL_S, ModelSpec, call, detached
+
+__all__ = ["ModelReplica"]
+
+
+class _Checked:
+    """A lane that checks the job first: for a backend without a validator, whose jobs the ingress
+    could not check (an invalid job then fails, instead of being refused with a 400)."""
+
+    def __init__(self, lane: Lane, backend: Backend) -> None:
+        self.lane, self.backend = lane, backend
+
+    def execute(self, spec: JobSpec, ctx: Any) -> Any:
+        self.backend.validate(spec)
+        return self.lane.execute(spec, ctx)
+
+
+class ModelReplica:
+    """A model replica: the backend, ``concurrency`` lanes (the device lease), the stop poll and the
+    report loop. ``registry`` is the registry's handle (looked up in the replica's Serve application
+    when None); ``name`` identifies the replica (its Ray actor name when None)."""
+
+    async def __init__(  # type: ignore[misc]
+        self,
+        spec: ModelSpec,
+        *,
+        concurrency: int = 1,
+        step_delay: float = 0.0,
+        stop_grace: float | None = 5.0,
+        torch_threads: int | None = 1,
+        registry: Any = None,
+        name: str | None = None,
+        registry_name: str = "JobRegistry",
+    ) -> None:
+        if concurrency < 1:
+            raise ValueError("concurrency must be >= 1")
+        if torch_threads is not None:
+            import torch
+
+            torch.set_num_threads(torch_threads)
+        self.kind = spec.kind
+        self.concurrency = concurrency
+        self.step_delay = step_delay
+        self.stop_grace = checked_grace(stop_grace)  # as LocalEngine's: a slow step's stop escalates
+        if registry is None:
+            from ray import serve
+
+            registry = serve.get_deployment_handle(registry_name, serve.get_replica_context().app_name)
+        self.registry = registry
+        if name is None:
+            import ray
+
+            name = str(ray.get_runtime_context().get_actor_name())
+        self.name = name
+        self._loop = asyncio.get_running_loop()
+        self.backend = await asyncio.to_thread(spec.load)
+        self._lanes: asyncio.Queue[Lane] = asyncio.Queue()
+        for _ in range(concurrency):
+            self._lanes.put_nowait(self.backend.lane())
+        self._jobs: dict[str, Job] = {}
+        self._reported: dict[str, asyncio.Future[None]] = {}
+        self._outbox: collections.deque[tuple[str, JobEvent]] = collections.deque()
+        self._outbox_lock = threading.Lock()
+        self._wake = asyncio.Event()
+        self._count_lock = threading.Lock()
+        self.busy = 0  # pipelines running now
+        self.peak = 0  # the most pipelines that ever ran at once here
+        self._processes: set[asyncio.Task[Any]] = set()
+        await self._register()
+        self._loops = [asyncio.ensure_future(self._poll_loop()), asyncio.ensure_future(self._report_loop())]
+
+    @property
+    def _checked(self) -> bool:
+        """Whether the ingress checks this backend's jobs (it has a validator to hand over)."""
+        return callable(getattr(self.backend, "validator", None))
+
+    async def _register(self) -> None:
+        blob = pickle.dumps(self.backend.validator()) if self._checked else None  # type: ignore[attr-defined]
+        await call(self.registry, "register", self.kind, self.name, self.concurrency, blob, retry_for=None)
+
+    # -- the request -------------------------------------------------------------------------------
+    async def run(self, job_id: str, owner: str, spec: JobSpec) -> str:
+        """Run one job: ``"ran"`` once its end was reported, ``"refused"`` if it may not start."""
+        task = detached(lambda: self._process(job_id, owner, spec), self._processes)
+        result: str = await asyncio.shield(task)
+        return result
+
+    async def _process(self, job_id: str, owner: str, spec: JobSpec) -> str:
+        lane = await self._lanes.get()  # the lease: a lane of this replica's device
+        handed = False
+        job = Job(spec, owner, id=job_id)
+        self._jobs[job_id] = job  # before the claim: a stop routed here right after it finds the job
+        try:
+            seq = await call(self.registry, "claim", job_id, self.name, retry_for=None)
+            if seq is None:
+                return "refused"
+            with job.lock:
+                job.events.extend([None] * seq)  # the registry's events come first
+                job.state = "stopping" if job.signal.stopped else "running"
+                job.started = time.time()
+            job.listener = functools.partial(self._post, job_id)
+            reported = self._reported[job_id] = self._loop.create_future()
+            worker = threading.Thread(
+                target=self._work, args=(job, lane), name=f"stopcock-ray-worker-{job_id[:8]}", daemon=True
+            )
+            worker.start()
+            handed = True  # the worker gives the lane back once the run has returned
+            await reported
+            return "ran"
+        finally:
+            if not handed:
+                self._lanes.put_nowait(lane)
+            self._reported.pop(job_id, None)
+            self._jobs.pop(job_id, None)
+
+    def _work(self, job: Job, lane: Lane) -> None:
+        with self._count_lock:
+            self.busy += 1
+            self.peak = max(self.peak, self.busy)
+        ended = None
+        try:
+            lane_here = lane if self._checked else _Checked(lane, self.backend)
+            ended = run_lane(job, lane_here, self.step_delay, self.stop_grace)
+        finally:  # the pipeline has returned: the job's end is told, then its lane is free for the next
+            with self._count_lock:
+                self.busy -= 1
+            try:
+                state, reason, summary, error = ended or INTERRUPTED
+                finish(job, state, reason, outcome=summary, error=error)
+            finally:
+                self._give_back(lane)
+
+    def _give_back(self, lane: Lane) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._lanes.put_nowait, lane)
+        except RuntimeError:  # the replica's loop has closed: it is shutting down
+            pass
+
+    # -- stops -------------------------------------------------------------------------------------
+    async def _poll_loop(self) -> None:
+        applied: list[str] = []
+        while True:
+            stops, known, asks = await call(
+                self.registry,
+                "poll",
+                self.name,
+                applied,
+                list(self._jobs),
+                self.peak,
+                self.busy,
+                POLL_S,
+                retry_for=None,
+            )
+            applied = []
+            for job_id, reason in stops.items():
+                job = self._jobs.get(job_id)
+                if job is not None:
+                    job.request_stop(reason)  # the step reached now is the job's stop_step
+                applied.append(job_id)
+            for job_id, action, reason in asks:
+                job = self._jobs.get(job_id)
+                if job is not None:
+                    job.signal.skip() if action == "skip" else job.signal.stop_after_item(reason)
+            if not known:
+                await self._register()
+
+    # -- reports -----------------------------------------------------------------------------------
+    def _post(self, job_id: str, event: JobEvent) -> None:
+        """A job's new event (from its worker thread): queue it and wake the report loop."""
+        with self._outbox_lock:
+            self._outbox.append((job_id, event))
+        try:
+            self._loop.call_soon_threadsafe(self._wake.set)
+        except RuntimeError:
+            pass
+
+    async def _report_loop(self) -> None:
+        """Send the news in batches, one batch in flight: the slower the registry, the larger the batch."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            with self._outbox_lock:
+                items, self._outbox = list(self._outbox), collections.deque()
+            if not items:
+                continue
+            last_preview = {job_id: i for i, (job_id, e) in enumerate(items) if e.type == "preview"}
+            events = [
+                (job_id, e)
+                for i, (job_id, e) in enumerate(items)
+                if e.type != "preview" or last_preview[job_id] == i  # older previews are dropped anyway
+            ]
+            views = {
+                job_id: job.view().to_json()
+                for job_id in {j for j, _ in items}
+                if (job := self._jobs.get(job_id)) is not None
+            }
+            ended = [job_id for job_id, e in events if e.type == "done"]
+            results = {job_id: self._jobs[job_id].result for job_id in ended if job_id in self._jobs}
+            await call(self.registry, "report", self.name, events, views, results, retry_for=None)
+            for job_id in ended:
+                future = self._reported.get(job_id)
+                if future is not None and not future.done():
+                    future.set_result(None)
+
+    async def check_health(self) -> None:
+        """Serve's health check: the replica is unhealthy if its poll or report loop has died."""
+        for loop in self._loops:
+            if loop.done():
+                raise RuntimeError(f"a background loop of the model replica has ended: {loop!r}")
+
+    async def stats(self) -> dict[str, int]:
+        return {"busy": self.busy, "peak": self.peak, "concurrency": self.concurrency}
+
