@@ -14,14 +14,18 @@ rebuilds from classes it names itself). Nothing is unpickled. An argument that i
 as its name (:class:`Live`), and ``resume`` asks for it again.
 
 A fingerprint says what a resume must match (classes, configs, a sample of the weights, dtype,
-device, library versions); :func:`check_fingerprint` refuses a mismatch, naming each difference.
+device, the versions of the libraries the target depends on); :func:`check_fingerprint` refuses a
+mismatch, naming each difference.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib.metadata
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -387,13 +391,74 @@ class Checkpoint:
 _SAMPLES = 16  # values sampled from each tensor of a model's state dict
 
 
-def versions() -> dict[str, str]:
-    """The versions of the libraries that decide the numbers (those imported)."""
-    found: dict[str, str] = {"torch": str(torch.__version__)}
-    for name in ("stopcock", "diffusers", "transformers", "accelerate"):
-        module = sys.modules.get(name)
-        if module is not None:
-            found[name] = str(getattr(module, "__version__", "?"))
+# The dependencies of a target's library that decide its numbers (how it computes, loads, tokenizes
+# or converts); the others (downloads, progress bars, command lines) do not enter a fingerprint.
+_NUMERIC_DEPENDENCIES = frozenset(
+    {
+        "torch",
+        "numpy",
+        "tokenizers",
+        "safetensors",
+        "accelerate",
+        "kernels",
+        "pillow",
+        "transformers",
+        "diffusers",
+    }
+)
+
+
+def versions(*objects: Any) -> dict[str, str]:
+    """The versions of the libraries that decide a target's numbers: torch, stopcock, the library of
+    each object's class (``objects``: the target and its parts), and those libraries' installed
+    dependencies that compute or load numbers. Read from the installed packages, not from what the
+    process happens to have imported: a process that also imported another library, or has not yet
+    imported a dependency, computes the same versions."""
+    libraries = sorted({name for obj in objects if (name := _library_of(obj)) is not None})
+    found = {"torch": str(torch.__version__)}
+    found["stopcock"] = str(getattr(sys.modules.get("stopcock"), "__version__", "?"))
+    found.update(_installed(tuple(libraries)))
+    return found
+
+
+def _library_of(obj: Any) -> str | None:
+    """The installed distribution that defines ``obj``'s class (None for the user's own code)."""
+    top = type(obj).__module__.split(".")[0]
+    if top in ("builtins", "__main__", "torch", "stopcock"):
+        return None
+    names = _distributions().get(top)
+    return _canonical(names[0]) if names else None
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+@functools.lru_cache(maxsize=1)
+def _distributions() -> Mapping[str, list[str]]:
+    return importlib.metadata.packages_distributions()
+
+
+@functools.lru_cache(maxsize=64)
+def _installed(libraries: tuple[str, ...]) -> dict[str, str]:
+    """Each library's installed version and those of its numeric dependencies (required ones, not extras)."""
+    found: dict[str, str] = {}
+    for library in libraries:
+        try:
+            found[library] = importlib.metadata.version(library)
+            requires = importlib.metadata.requires(library) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for requirement in requires:
+            if "extra ==" in requirement:
+                continue
+            match = re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", requirement)
+            name = _canonical(match.group(0)) if match else ""
+            if name in _NUMERIC_DEPENDENCIES and name != "torch":
+                try:
+                    found[name] = importlib.metadata.version(name)
+                except importlib.metadata.PackageNotFoundError:
+                    continue
     return found
 
 
@@ -439,9 +504,6 @@ def remembered(obj: Any, key: Any, compute: Callable[[], str]) -> str:
     with _remembered_lock:
         for gone in [ident for ident, (r, _, _) in _remembered.items() if r() is None]:
             del _remembered[gone]
-        _remembered[id(obj)] = (ref, key, value)
-    return value
-    with _remembered_lock:
         _remembered[id(obj)] = (ref, key, value)
     return value
 

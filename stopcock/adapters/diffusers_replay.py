@@ -298,7 +298,7 @@ class _Replay:
 
 def fingerprint(pipe: Any) -> dict[str, Any]:
     """What a resume must match: classes, configs, weights, tokenizers, cache hooks, dtype, device and
-    library versions."""
+    the versions of the libraries its classes come from."""
     device = getattr(pipe, "_execution_device", None)
     components: dict[str, Any] = {}
     for name, c in dict(pipe.components).items():
@@ -324,7 +324,7 @@ def fingerprint(pipe: Any) -> dict[str, Any]:
     return {
         "kind": "diffusers",
         "target": type(pipe).__name__,
-        "versions": versions(),
+        "versions": versions(pipe, *dict(pipe.components).values()),
         "components": components,
     }
 

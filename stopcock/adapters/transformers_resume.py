@@ -320,7 +320,7 @@ def fingerprint(target: Any) -> dict[str, Any]:
     found: dict[str, Any] = {
         "kind": "transformers",
         "target": type(target).__name__,
-        "versions": versions(),
+        "versions": versions(target, model, getattr(target, "tokenizer", None)),
         "model": model_fingerprint(model),
     }
     generation = getattr(model, "generation_config", None)
