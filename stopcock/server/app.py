@@ -19,7 +19,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
-from .contract import Engine, InvalidJob, JobNotFound, JobStateConflict, KindNotServed, QueueFull
+from .contract import (
+    Engine,
+    InvalidJob,
+    JobNotFound,
+    JobStateConflict,
+    KindNotServed,
+    QueueFull,
+    Unavailable,
+)
 from .deps import MAX_BODY_BYTES, ApiError, Keys, error_response
 from .jobs_api import jobs
 from .openai_api import openai
@@ -102,6 +110,7 @@ def _install_errors(app: FastAPI) -> None:
     statuses: dict[type[Exception], tuple[int, str]] = {
         JobNotFound: (404, "not_found"),
         QueueFull: (429, "queue_full"),
+        Unavailable: (503, "unavailable"),
         KindNotServed: (400, "model_not_served"),
         InvalidJob: (400, "invalid_job"),
         JobStateConflict: (409, "job_state_conflict"),

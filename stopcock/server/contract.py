@@ -53,6 +53,7 @@ __all__ = [
     "QueueFull",
     "RESPONSE_ID_PREFIXES",
     "RunContext",
+    "Unavailable",
     "job_id_of",
 ]
 
@@ -85,6 +86,11 @@ class JobNotFound(LookupError):
 
 class QueueFull(RuntimeError):
     """The queue holds ``queue_size`` jobs already: try again later."""
+
+
+class Unavailable(RuntimeError):
+    """No replica of the job's kind is ready (starting, or the cluster cannot place one): a 503 with
+    ``Retry-After``, answered at once."""
 
 
 class KindNotServed(LookupError):

@@ -140,4 +140,5 @@ def error_response(
     status: int, message: str, type_: str, code: str | None = None, **extra: Any
 ) -> JSONResponse:
     body = {"error": {"message": message, "type": type_, "code": code}, **extra}
-    return JSONResponse(body, status_code=status, headers={"Retry-After": "1"} if status == 429 else None)
+    retry = {429: "1", 503: "5"}.get(status)  # busy: ask again soon; no replica ready: it may be starting
+    return JSONResponse(body, status_code=status, headers={"Retry-After": retry} if retry else None)

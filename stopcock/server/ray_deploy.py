@@ -56,13 +56,16 @@ class RayOptions:
     ``models``: the kinds to serve. ``concurrency``: pipelines per model replica (its lease, and
     Serve's ``max_ongoing_requests``). ``replicas``: model replicas of each kind (a number, or one per
     kind: ``{"text": 2, "image": 1}``), or ``autoscaling``
-    (Serve's ``autoscaling_config``, for every model deployment). ``model_actor_options``: Ray options
-    of the model replicas (``{"num_gpus": 1}``). ``queue_size``, ``retain``, ``stop_wait``: as for
-    ``LocalEngine``, and ``stop_grace`` (seconds a stop waits for a slow step before it aborts it; None:
-    never). ``journal_dir``: where the registry keeps its journal (``APP.jsonl``, after the
-    application's name), on the registry's node: a restarted or redeployed registry of the same
-    application reads it back (a shared or node-pinned folder survives the registry moving to another
-    node); None: no journal.
+    (Serve's ``autoscaling_config``, for every model deployment). ``replica_cpus``, ``replica_gpus``:
+    what each model replica asks Ray for (None: fitted to the cluster, see
+    :func:`~stopcock.server.ray_engine.resources.replica_needs`: a GPU each where there are GPUs, at
+    most one CPU each). ``model_actor_options``: other Ray options of the model replicas (a
+    ``num_cpus``/``num_gpus`` there is taken as the CPUs/GPUs asked for). ``queue_size``,
+    ``retain``, ``stop_wait``: as for ``LocalEngine``, and ``stop_grace`` (seconds a stop waits
+    for a slow step before it aborts it; None: never). ``journal_dir``: where the registry keeps
+    its journal (``APP.jsonl``, after the application's name), on the registry's node: a restarted
+    or redeployed registry of the same application reads it back (a shared or node-pinned folder
+    survives the registry moving to another node); None: no journal.
     ``step_delay``: the test-only per-step throttle. ``torch_threads``: torch threads per model
     replica (None: torch's default).
     """
@@ -72,7 +75,9 @@ class RayOptions:
     concurrency: int = 1
     replicas: int | Mapping[str, int] = 1
     autoscaling: Mapping[str, Any] | None = None
-    model_actor_options: Mapping[str, Any] = field(default_factory=lambda: {"num_cpus": 1})
+    model_actor_options: Mapping[str, Any] = field(default_factory=dict)
+    replica_cpus: float | None = None
+    replica_gpus: float | None = None
     ingress_replicas: int = 1
     queue_size: int = 16
     retain: int = 256
@@ -91,7 +96,28 @@ class RayOptions:
             raise ValueError("concurrency, replicas and ingress_replicas must be >= 1")
 
     def replicas_of(self, kind: str) -> int:
+        """The model replicas asked for of ``kind`` (with autoscaling: its ``min_replicas``)."""
+        if self.autoscaling:
+            return int(self.autoscaling.get("min_replicas", 1))
         return self.replicas.get(kind, 1) if isinstance(self.replicas, Mapping) else self.replicas
+
+    def needs(self, nodes: Sequence[Mapping[str, float]] | None = None) -> dict[str, float]:
+        """What one model replica asks Ray for, ``{"CPU": c, "GPU": g}``: as given, else fitted to
+        ``nodes`` (the cluster's, read from Ray when None)."""
+        from .ray_engine.resources import cluster_nodes, replica_needs
+
+        cpus = self.model_actor_options.get("num_cpus", self.replica_cpus)
+        gpus = self.model_actor_options.get("num_gpus", self.replica_gpus)
+        if (cpus is None or gpus is None) and nodes is None:
+            nodes = cluster_nodes()
+        total = sum(self.replicas_of(spec.kind) for spec in self.models)
+        return replica_needs(total, cpus, gpus, nodes or [])
+
+    def demands(self, needs: Mapping[str, float]) -> list[Any]:
+        """What the model deployments ask of the cluster (for :func:`~.ray_engine.resources.unplaceable`)."""
+        from .ray_engine.resources import Demand
+
+        return [Demand(model_deployment(s.kind), self.replicas_of(s.kind), needs) for s in self.models]
 
 
 def build(options: RayOptions) -> Any:
@@ -100,8 +126,18 @@ def build(options: RayOptions) -> Any:
 
     from .ray_engine.registry import JobRegistry
     from .ray_engine.replica import ModelReplica
+    from .ray_engine.resources import actor_options, describe
 
     models = {s.kind: {"id": s.served_name, "description": s.served_description} for s in options.models}
+    needs = options.needs()
+    kinds = {
+        s.kind: {
+            "deployment": model_deployment(s.kind),
+            "asked": options.replicas_of(s.kind),
+            "needs": describe(needs),
+        }
+        for s in options.models
+    }
     handles = {}
     for spec in options.models:
         scaling: dict[str, Any] = (
@@ -112,7 +148,7 @@ def build(options: RayOptions) -> Any:
         deployment = serve.deployment(
             name=model_deployment(spec.kind),
             max_ongoing_requests=options.concurrency,
-            ray_actor_options=dict(options.model_actor_options),
+            ray_actor_options=actor_options(needs, options.model_actor_options),
             logging_config=QUIET,
             **scaling,
         )(ModelReplica)
@@ -137,6 +173,7 @@ def build(options: RayOptions) -> Any:
         stop_wait=options.stop_wait,
         journal_dir=options.journal_dir,
         fsync=options.fsync,
+        kinds=kinds,
     )
     ingress = serve.deployment(
         name=INGRESS,
@@ -194,8 +231,9 @@ def app(args: Mapping[str, Any]) -> Any:
     folder or hub id; neither: both demo models), ``text_name``, ``image_name``, ``api_keys`` (a list)
     or ``api_keys_file``, ``concurrency``, ``queue_size``, ``retain``, ``stop_wait``, ``stop_grace``,
     ``journal_dir``,
-    ``fsync``, ``torch_threads``, ``device`` (``auto``: a GPU when the replica has one). Replicas,
-    autoscaling and GPUs (``ray_actor_options``) go in the config's ``deployments``."""
+    ``fsync``, ``torch_threads``, ``device`` (``auto``: a GPU when the replica has one),
+    ``replica_cpus``, ``replica_gpus`` (what each model replica asks for; unset: fitted to the
+    cluster). Replicas and autoscaling go in the config's ``deployments``."""
     known = {
         "text_model",
         "image_model",
@@ -212,6 +250,8 @@ def app(args: Mapping[str, Any]) -> Any:
         "fsync",
         "torch_threads",
         "device",
+        "replica_cpus",
+        "replica_gpus",
     }
     unknown = set(args) - known
     if unknown:
@@ -230,6 +270,8 @@ def app(args: Mapping[str, Any]) -> Any:
             ("stop_wait", float),
             ("stop_grace", float),
             ("fsync", bool),
+            ("replica_cpus", float),
+            ("replica_gpus", float),
         ]
         if name in args
     }
@@ -275,6 +317,28 @@ def _free_port(host: str) -> int:
         return int(probe.getsockname()[1])
 
 
+def _check_resources(options: RayOptions, *, wait: bool) -> None:
+    """Refuse, within seconds, model replicas the cluster cannot place (or, with ``wait``, say so and
+    go on: Serve places them once the cluster has the resources)."""
+    from .ray_engine.resources import cluster_nodes, unplaceable
+
+    nodes = cluster_nodes()
+    problem = unplaceable(options.demands(options.needs(nodes)), nodes)
+    if problem is None:
+        return
+    if not wait:
+        raise UserError(
+            f"the cluster cannot place the model replicas: {problem}. Ask for less (--replicas,"
+            " --replica-cpus, --replica-gpus), add nodes, or pass --wait-for-resources to serve anyway"
+            " and wait for them (/v1/health shows the ready replicas of each kind)"
+        )
+    print(
+        f"stopcock serve: waiting for resources: {problem}; /v1/health shows the ready replicas",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def serve_forever(args: argparse.Namespace, keys: Sequence[str], step_delay: float = 0.0) -> None:
     """Deploy on a local Ray cluster (started here) or the one at ``--ray-address``, then serve until
     Ctrl+C: every job is then stopped (reason ``"shutdown"``) and the application deleted."""
@@ -291,6 +355,8 @@ def serve_forever(args: argparse.Namespace, keys: Sequence[str], step_delay: flo
         stop_grace=args.stop_grace,
         step_delay=step_delay,
         ingress_replicas=args.ingress_replicas,
+        replica_cpus=args.replica_cpus,
+        replica_gpus=args.replica_gpus,
     )
     port = args.port or _free_port(args.host)
     started_here = args.ray_address is None
@@ -301,10 +367,18 @@ def serve_forever(args: argparse.Namespace, keys: Sequence[str], step_delay: flo
         ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     else:
         ray.init(address=args.ray_address, log_to_driver=False, configure_logging=False)
+    serving = False
     try:
+        _check_resources(options, wait=args.wait_for_resources)  # before Serve starts: refused in seconds
         serve.start(http_options={"host": args.host, "port": port})
+        serving = True
         try:
-            serve.run(build(options), name=APP_NAME, route_prefix="/")
+            if args.wait_for_resources:  # wait for the ingress only: /v1/health shows the model replicas
+                from ray.serve.api import _run
+
+                _run(build(options), name=APP_NAME, route_prefix="/", _blocking=False)
+            else:
+                serve.run(build(options), name=APP_NAME, route_prefix="/")
         except RuntimeError as exc:
             raise UserError(f"the Ray Serve application did not start: {exc}") from None
         where = "a local Ray cluster" if started_here else f"the Ray cluster at {args.ray_address}"
@@ -322,7 +396,7 @@ def serve_forever(args: argparse.Namespace, keys: Sequence[str], step_delay: flo
             print(f"stopcock serve: stopped {stopped} job(s); removing the application", file=sys.stderr)
             serve.delete(APP_NAME)
     finally:
-        if started_here:
+        if started_here and serving:
             serve.shutdown()
         ray.shutdown()
         if started_here and options.journal_dir is not None:

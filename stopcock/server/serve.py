@@ -44,6 +44,13 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _amount(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0 (fractions allowed), got {text}")
+    return value
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
@@ -80,6 +87,20 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     ray.add_argument("--replicas", type=_positive, default=1, metavar="N", help="model replicas per kind")
     ray.add_argument("--ingress-replicas", type=_positive, default=1, metavar="N", help="HTTP replicas")
+    ray.add_argument(
+        "--replica-cpus", type=_amount, metavar="N",
+        help="CPUs each model replica asks Ray for (default: 1, or an equal share when there are fewer CPUs"
+        " than replicas)",
+    )
+    ray.add_argument(
+        "--replica-gpus", type=_amount, metavar="N",
+        help="GPUs each model replica asks Ray for (default: 1 where the cluster has GPUs, else 0)",
+    )
+    ray.add_argument(
+        "--wait-for-resources", action="store_true",
+        help="serve even when the cluster cannot place every model replica yet, and wait for them (default:"
+        " exit at once with what is missing)",
+    )
     parser.set_defaults(func=serve)
     return parser
 

@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from ..contract import FINAL_STATES, InvalidJob, JobEvent, JobSpec, JobView, KindNotServed, QueueFull
+from ..contract import FINAL_STATES, InvalidJob, JobEvent, JobSpec, JobView, KindNotServed
 from ..jobs import new_id
 from .wire import POLL_S, Refused, call, detached
 
@@ -41,9 +41,7 @@ class RayEngine:
 
     async def _validator(self, kind: str) -> Any:
         if kind not in self._validators:
-            blob = await self._ask("validator", kind, POLL_S * 6)
-            if blob is False:
-                raise QueueFull(f"the {kind} model is not ready yet (no replica has started); try later")
+            blob = await self._ask("validator", kind, 0.0)  # no replica ready: Unavailable, at once
             # pickled by our own model replicas (a tokenizer can take a while to unpickle: not on the loop)
             self._validators[kind] = None if blob is None else await asyncio.to_thread(pickle.loads, blob)
         return self._validators[kind]
@@ -64,7 +62,7 @@ class RayEngine:
         validator = await self._validator(spec.kind)
         if validator is not None:
             await asyncio.to_thread(self._validate, validator, spec)
-        view: JobView = await self._ask("submit", new_id(), spec, owner, time.time())
+        view: JobView = await self._ask("submit", new_id(), spec, owner, time.time(), True)
         return view
 
     async def get(self, job_id: str, owner: str) -> JobView:
@@ -113,11 +111,11 @@ class RayEngine:
         found: dict[str, Any] = await self._ask("result", job_id, owner)
         return found
 
-    async def stats(self) -> dict[str, int]:  # type: ignore[override]
-        """Counts across the cluster (an awaitable, unlike ``LocalEngine``'s: they live in the registry)."""
-        counts: dict[str, int] = await self._ask("stats")
+    async def stats(self) -> dict[str, Any]:  # type: ignore[override]
+        """Counts across the cluster (an awaitable, unlike ``LocalEngine``'s: they live in the registry),
+        with each kind's ready model replicas out of those asked for (``kinds``)."""
+        counts: dict[str, Any] = await self._ask("stats")
         return counts
 
     async def aclose(self) -> None:
         """Nothing to close: an ingress replica holds no job (stop them with :meth:`JobRegistry.stop_all`)."""
-

@@ -14,6 +14,7 @@ from typing import Any
 from ..contract import FINAL_STATES, JobEvent, JobSpec, JobState, JobView
 from ..jobs import Job, finish, since, summary_of_end, wait_final
 from .journal import Journal, Record
+from .operations import Operations
 from .wire import POLL_S, SILENT_S, Refused, detached, spec_from_json, spec_to_json
 
 __all__ = ["JobRegistry"]
@@ -29,7 +30,7 @@ class _Replica:
     busy: int = 0
 
 
-class JobRegistry:
+class JobRegistry(Operations):
     """The job registry (one Serve replica): records, queue bound, dispatch, claims, stops, journal.
 
     ``models`` maps each kind to the handle of its model deployment. Everything here runs on one
@@ -38,7 +39,9 @@ class JobRegistry:
     ``queue_size`` jobs wait for a replica; ``retain`` finished jobs are kept; a stop with ``wait``
     answers once the run returned, or after ``stop_wait`` seconds with the job still ``stopping``.
     ``journal`` is the path of the journal, or ``journal_dir`` the folder of one named after the
-    Serve application (None: none, and a restart forgets everything).
+    Serve application (None: none, and a restart forgets everything). ``kinds`` says, for each kind,
+    its model deployment's name, the replicas asked for and what each needs (``/v1/health`` and the
+    answer to a submission for a kind with no ready replica name them).
     """
 
     async def __init__(  # type: ignore[misc]
@@ -52,10 +55,12 @@ class JobRegistry:
         journal_dir: str | None = None,
         fsync: bool = False,
         alive: Callable[[str], bool] | None = None,
+        kinds: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         if queue_size < 0 or retain < 1:
             raise ValueError("queue_size must be >= 0 and retain >= 1")
         self.models = dict(models)
+        self.kinds = {kind: dict((kinds or {}).get(kind, {})) for kind in self.models}
         self.queue_size = queue_size
         self.retain = retain
         self.stop_wait = stop_wait
@@ -91,8 +96,11 @@ class JobRegistry:
             self.journal.write(op, **fields)
 
     # -- the engine's calls (owner-scoped) --------------------------------------------------------
-    async def submit(self, job_id: str, spec: JobSpec, owner: str, created: float) -> JobView | Refused:
-        """Queue a job (idempotent by ``job_id``: the ingress may ask again after a registry restart)."""
+    async def submit(
+        self, job_id: str, spec: JobSpec, owner: str, created: float, ready_only: bool = False
+    ) -> JobView | Refused:
+        """Queue a job (idempotent by ``job_id``: the ingress may ask again after a registry restart);
+        with ``ready_only``, refuse it at once when no replica of its kind is ready."""
         known = self._jobs.get(job_id)
         if known is not None:
             return known.job.view() if secrets.compare_digest(known.job.owner, owner) else _not_found(job_id)
@@ -101,6 +109,8 @@ class JobRegistry:
         if spec.kind not in self.models:
             served = ", ".join(self.models)
             return Refused("kind", f"this server has no {spec.kind} model; it serves: {served}")
+        if ready_only and not self._ready(spec.kind):
+            return self._unavailable(spec.kind)
         if len(self._queued) >= self.queue_size:
             message = f"the queue is full ({self.queue_size} jobs waiting); try again later"
             return Refused("queue_full", message)
@@ -198,7 +208,7 @@ class JobRegistry:
             result = record.job.result if view.state in FINAL_STATES else None
         return {"job": view.to_json(), "result": result}
 
-    async def stats(self) -> dict[str, int]:
+    async def stats(self) -> dict[str, Any]:
         replicas = list(self._replicas.values())
         return {
             "queued": len(self._queued),
@@ -209,16 +219,17 @@ class JobRegistry:
             "pipelines_peak": max((r.peak for r in replicas), default=0),
             "concurrency": min((r.concurrency for r in replicas), default=0),
             "refused_claims": self.refused_claims,
+            "kinds": self.kinds_ready(),
         }
 
-    async def validator(self, kind: str, timeout: float) -> bytes | bool | None:
+    async def validator(self, kind: str, timeout: float) -> bytes | Refused | None:
         """The pickled validator of ``kind`` (None: the backend has none), once a replica registered
-        one; False if none did within ``timeout`` seconds."""
+        one; refused (``unavailable``, naming why) if none did within ``timeout`` seconds."""
         if kind not in self._validators:
             try:
                 await asyncio.wait_for(self._kind_ready[kind].wait(), timeout)
             except asyncio.TimeoutError:
-                return False
+                return self._unavailable(kind)
         return self._validators[kind]
 
     async def stop_all(self, reason: str = "shutdown", timeout: float = 60.0) -> int:
@@ -315,44 +326,6 @@ class JobRegistry:
                 pass
             pending = self._pending(replica)
         return pending, replica in self._replicas, self._asks(replica, take=True)
-
-    # -- operations and tests ----------------------------------------------------------------------
-    async def placement(self, job_id: str) -> str | None:
-        """The replica (its Ray actor name) that claimed the job, if any."""
-        record = self._jobs.get(job_id)
-        return None if record is None else record.claimed_by
-
-    async def whoami(self) -> str:
-        """This registry replica's Ray actor name."""
-        import ray
-
-        return str(ray.get_runtime_context().get_actor_name())
-
-    async def replicas(self, kind: str, at_least: int = 0, timeout: float = 0.0) -> list[dict[str, Any]]:
-        """The live model replicas of ``kind`` (name, concurrency, peak and current pipelines), once
-        there are ``at_least`` of them (or after ``timeout`` seconds)."""
-        deadline = time.monotonic() + timeout
-
-        def live() -> list[dict[str, Any]]:
-            return [dict(r.__dict__) for r in self._replicas.values() if r.kind == kind]
-
-        while len(live()) < at_least and time.monotonic() < deadline:
-            self._replicas_changed.clear()
-            try:
-                await asyncio.wait_for(self._replicas_changed.wait(), deadline - time.monotonic())
-            except asyncio.TimeoutError:
-                break
-        return live()
-
-    async def settled(self, job_id: str, timeout: float) -> str | None:
-        """Once the job's dispatch is over (or after ``timeout`` s): what became of it (``ran``,
-        ``refused``: a replica got it and could not start it, ``failed``), or None if it is not known
-        (no dispatch of it in this registry, or still going)."""
-        task = self._dispatches.get(job_id)
-        if task is None:
-            return self._settled.get(job_id)
-        done, _ = await asyncio.wait({task}, timeout=timeout)
-        return task.result() if done else None
 
     # -- internals ---------------------------------------------------------------------------------
     def _find(self, job_id: str, owner: str) -> Record | Refused:
@@ -553,4 +526,3 @@ def _actor_alive(name: str) -> bool:
     except ValueError:
         return False
     return True
-

@@ -231,4 +231,3 @@ class ModelReplica:
 
     async def stats(self) -> dict[str, int]:
         return {"busy": self.busy, "peak": self.peak, "concurrency": self.concurrency}
-

@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..contract import Backend, InvalidJob, JobNotFound, JobSpec, KindNotServed, QueueFull
+from ..contract import Backend, InvalidJob, JobNotFound, JobSpec, KindNotServed, QueueFull, Unavailable
 
 __all__ = ["POLL_S", "SILENT_S", "ModelSpec", "Refused", "call", "detached", "spec_from_json", "spec_to_json"]
 
@@ -28,7 +28,7 @@ SILENT_S = 3 * POLL_S
 class Refused:
     """An answer of the registry that the engine raises as the contract's error ``code``."""
 
-    code: str  # not_found | queue_full | kind | invalid
+    code: str  # not_found | queue_full | kind | invalid | unavailable
     message: str
 
     def error(self) -> Exception:
@@ -37,6 +37,7 @@ class Refused:
             "queue_full": QueueFull,
             "kind": KindNotServed,
             "invalid": InvalidJob,
+            "unavailable": Unavailable,
         }
         return kinds[self.code](self.message)
 
@@ -160,4 +161,3 @@ def detached(awaitable: Callable[[], Awaitable[Any]], keep: set[asyncio.Task[Any
     keep.add(task)
     task.add_done_callback(keep.discard)
     return task
-
