@@ -55,6 +55,7 @@ class Stop:
     job: str
     seen: int = 0  # the last step the client had seen
     ack_ms: float = 0.0
+    noop_ms: float = 0.0  # the same client's request that does no work, right after the stop's answer
     view: dict[str, Any] = field(default_factory=dict)
 
 
@@ -77,6 +78,9 @@ async def _job(client: httpx.AsyncClient, engine: str, after: int, stops: list[S
                     answer = await client.post(f"/v1/jobs/{record.job}/stop")
                     record.ack_ms = (time.perf_counter() - start) * 1000
                     record.view = answer.json()
+                    start = time.perf_counter()
+                    await client.get("/v1/models")  # answered by the app alone: the transport's share
+                    record.noop_ms = (time.perf_counter() - start) * 1000
             if event["type"] == "done":
                 if not record.view:
                     record.view = event
@@ -186,6 +190,8 @@ def run(
             "engine",
             "jobs stopped mid-run",
             "ack ms",
+            "no-op request ms",
+            "ack minus no-op ms",
             "steps after stop_step",
             "steps after the client's view",
             "run's stop_latency ms",
@@ -195,16 +201,21 @@ def run(
     for engine, label in (("local", "LocalEngine, 2 workers"), ("ray", "Ray Serve, 2 replicas")):
         mid = [s for s in stops if s.engine == engine and s.view.get("state") == "stopped"]
         ack = [s.ack_ms for s in mid]
+        noop = [s.noop_ms for s in mid]
+        beyond = [s.ack_ms - s.noop_ms for s in mid]
         after_stop = [float(s.view["step"] - s.view["stop_step"]) for s in mid]
         after_seen = [float(s.view["step"] - s.seen) for s in mid]
         core = [
             s.view["outcome"]["stop_latency"] * 1000 for s in mid if s.view["outcome"].get("stop_latency")
         ]
         figures[engine] = {"p50": float(_pct(ack, 0.5)), "p99": float(_pct(ack, 0.99))}
+        figures[engine + "-beyond"] = {"p50": float(_pct(beyond, 0.5)), "p99": float(_pct(beyond, 0.99))}
         table.add(
             label,
             len(mid),
             f"{_pct(ack, 0.5)} / {_pct(ack, 0.99)}",
+            f"{_pct(noop, 0.5)} / {_pct(noop, 0.99)}",
+            f"{_pct(beyond, 0.5)} / {_pct(beyond, 0.99)}",
             f"{_pct(after_stop, 0.5)} / {_pct(after_stop, 0.99)} (max {max(after_stop, default=0):.0f})",
             f"{_pct(after_seen, 0.5)} / {_pct(after_seen, 0.99)}",
             f"{_pct(core, 0.5)} / {_pct(core, 0.99)}",
@@ -237,7 +248,13 @@ def run(
         notes=[
             f"Ray adds {extra['p50']:+.1f} ms at p50 ({ratio['p50']:.2f}x LocalEngine's) and"
             f" {extra['p99']:+.1f} ms at p99 ({ratio['p99']:.2f}x): the stop goes ingress -> registry ->"
-            " the replica's stop poll, and the answer waits for the replica's report of the end.",
+            " the replica (its pending stop poll answered at once), and the answer waits for the replica's"
+            " report of the end.",
+            "*No-op request*: `GET /v1/models`, sent by the same client right after the stop's answer and"
+            " answered by the app alone (no engine call): the share of the HTTP path, which on Ray goes"
+            " through Serve's proxy to an ingress replica. *Ack minus no-op*, p50 / p99: LocalEngine"
+            f" {figures['local-beyond']['p50']:.1f} / {figures['local-beyond']['p99']:.1f} ms, Ray"
+            f" {figures['ray-beyond']['p50']:.1f} / {figures['ray-beyond']['p99']:.1f} ms.",
             f"{len(stops)} jobs. Checks (every job stopped by the user, none more than one step past its"
             f" stop_step, no Ray replica above its concurrency of 1, nothing left): {checks}.",
         ],
