@@ -138,3 +138,39 @@ def test_serve_refuses_replicas_the_cluster_cannot_place():
     assert "the cluster cannot place the model replicas" in done.stderr
     assert f"TextModel asks for 2 replica(s) of {too_many} CPU each" in done.stderr
     assert "the cluster has node 0:" in done.stderr and "--wait-for-resources" in done.stderr
+
+
+@pytest.mark.timeout(300)
+def test_serve_waits_for_resources_when_asked_and_answers_503_meanwhile():
+    """With ``--wait-for-resources`` the server runs although no model replica fits: ``/v1/health``
+    shows none ready and a submission is a 503 naming the deployment, answered at once."""
+    import signal
+
+    too_many = str(2 * (os.cpu_count() or 1))  # no replica fits on this machine
+    port = free_port()
+    command = [sys.executable, "-m", "stopcock.cli", "serve", "--engine", "ray", "--port", str(port)]
+    command += ["--replica-cpus", too_many, "--wait-for-resources"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        assert process.stderr is not None
+        said = []
+        for line in process.stderr:
+            said.append(line)
+            if "running on" in line:
+                break
+        else:
+            pytest.fail("the server never said it was running: " + "".join(said[-20:]))
+        assert any("waiting for resources: TextModel asks for 1 replica(s)" in line for line in said)
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+            kinds = client.get("/v1/health").json()["kinds"]
+            assert kinds == {"text": {"ready": 0, "asked": 1}, "image": {"ready": 0, "asked": 1}}
+            answer = client.post("/v1/jobs", json={"kind": "text", "prompt": "Hi"})
+            assert answer.status_code == 503 and answer.headers["retry-after"] == "5"
+            assert "no TextModel replica is ready" in answer.json()["error"]["message"]
+        os.killpg(process.pid, signal.SIGINT)
+        assert process.wait(timeout=120) == 130
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
