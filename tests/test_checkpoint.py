@@ -219,3 +219,20 @@ def test_replay_checks_each_call_and_the_latents_it_reaches(sd_checkpoint):
     assert type(pipe.unet).__name__ == "UNet2DConditionModel" and "_stopcock_intercepted" not in vars(
         pipe.unet
     )
+
+
+def test_versions_name_the_targets_libraries_and_their_numeric_dependencies(text_model):
+    """Read from the installed packages: the target's library and its dependencies that decide
+    numbers, not other libraries imported here (diffusers is, by this module), nor tools (tqdm)."""
+    import importlib.metadata
+
+    from stopcock.checkpoint import versions
+
+    found = versions(text_model)
+    assert {"torch", "stopcock", "transformers", "tokenizers", "safetensors", "numpy"} <= set(found)
+    assert "diffusers" not in found and "tqdm" not in found and "huggingface-hub" not in found
+    assert found["transformers"] == importlib.metadata.version("transformers")
+    assert set(versions()) == {"torch", "stopcock"}  # user code's own classes name no library
+    pipe = tiny.ddpm_pipeline()
+    image = versions(pipe, *pipe.components.values())
+    assert "diffusers" in image and "transformers" not in image  # no transformers part in this pipeline
