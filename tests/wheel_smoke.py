@@ -207,7 +207,7 @@ if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit(__doc__)
     try:
-        sys.exit(main(Path(sys.argv[1])))
+        sys.exit(main(Path(sys.argv[1]).resolve()))
     except (SmokeFailed, subprocess.TimeoutExpired) as exc:
         print(f"wheel-smoke: FAILED: {exc}", file=sys.stderr)
         sys.exit(1)

@@ -27,7 +27,7 @@ from ..errors import UserError
 from ..events import RowDecoder
 from ..files import png_base64
 from ..items import run_each
-from ..loading import load_image_pipeline, load_text_model, resolve_model
+from ..loading import load_image_pipeline, load_text_model, resolve_model, without_noise
 from ..outcome import Outcome
 from ..previews import decode_preview, latent_preview, previewable
 from ..resume import resume
@@ -274,7 +274,8 @@ class ImageBackend:
         return light
 
     def lane(self) -> ImageLane:
-        pipe = type(self.pipe)(**lane_components(self.pipe.components))
+        with without_noise((type(self.pipe).__module__,)):  # its __init__'s notices were the load's
+            pipe = type(self.pipe)(**lane_components(self.pipe.components))
         pipe.set_progress_bar_config(disable=True)
         return ImageLane(self, pipe)
 
