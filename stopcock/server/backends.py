@@ -29,7 +29,7 @@ from ..files import png_base64
 from ..items import run_each
 from ..loading import load_image_pipeline, load_text_model, resolve_model, without_noise
 from ..outcome import Outcome
-from ..previews import decode_preview, latent_preview, previewable
+from ..previews import decode_preview, estimate_preview
 from ..resume import resume
 from ..runner import run
 from ..signal import StopSignal
@@ -289,12 +289,14 @@ class ImageLane:
         params = spec.params
         seed = params["seed"] if params.get("seed") is not None else 0
         generator = torch.Generator()
-        xl = "XL" in type(self.pipe).__name__
         preview = params["previews"] and getattr(self.pipe, "vae", None) is not None
 
-        def report(state: StepState) -> None:
-            if preview and previewable(state.latents):
-                ctx.preview(latent_preview(state.latents, xl=xl), state.step)
+        def report(state: StepState) -> None:  # the preview: the step's estimate of the clean image
+            if not preview:
+                return
+            image = estimate_preview(self.pipe, state.latents, state.extra.get("denoised"))
+            if image is not None:
+                ctx.preview(image, state.step)
 
         def one(prompt: str, checkpoint: Any) -> tuple[Outcome, dict[str, Any]]:
             options = {"stop": ctx.stop(from_options(spec.stop)), "on_step": ctx.on_step(report),
