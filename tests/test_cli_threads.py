@@ -67,3 +67,23 @@ def test_threads_must_be_a_positive_integer(run_main):
     with pytest.raises(SystemExit) as exited:
         run_main("text", "--prompt", "x", "--threads", "0")
     assert exited.value.code == 2
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.usefixtures("threads_restored")
+@pytest.mark.parametrize(("args", "expected"), [((), 1), (("--threads", "2"), 2)])
+def test_serve_runs_the_demo_models_on_one_thread_unless_told(args, expected):
+    from stopcock.server import serve
+
+    parser = build_parser()
+    torch.set_num_threads(3)
+    backends = serve._load(parser.parse_args(["serve", *args]), [])
+    assert set(backends) == {"text", "image"}
+    assert torch.get_num_threads() == expected
+
+
+def test_serve_help_says_how_many_threads():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices["serve"]  # type: ignore[union-attr]
+    help_text = " ".join(sub.format_help().split())
+    assert "--threads N torch threads (default: 1 when serving the built-in demo models" in help_text
