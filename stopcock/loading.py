@@ -125,15 +125,19 @@ def _quiet_libraries() -> Iterator[None]:
                 module.enable_progress_bar()
 
 
-def _offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", os.environ.get("TRANSFORMERS_OFFLINE", "")).lower() in (
-        "1", "true", "yes", "on")
+def _offline() -> str | None:
+    """The variable that puts the Hugging Face libraries offline, where one does."""
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(name, "").lower() in ("1", "true", "yes", "on"):
+            return name
+    return None
 
 
 def _check_offline(spec: str) -> None:
     """Offline, a hub id loads only from the local Hugging Face cache: one that is not there is a
     one-line :class:`UserError` naming the id and the fix, before the libraries try (and print)."""
-    if Path(spec).expanduser().is_dir() or not _offline():
+    offline = _offline()
+    if Path(spec).expanduser().is_dir() or offline is None:
         return
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
@@ -142,9 +146,9 @@ def _check_offline(spec: str) -> None:
         snapshot_download(spec, local_files_only=True)
     except LocalEntryNotFoundError:
         raise UserError(
-            f"{spec!r} is not a local folder, and HF_HUB_OFFLINE is set: it is not in the local Hugging Face"
+            f"{spec!r} is not a local folder, and {offline} is set: it is not in the local Hugging Face"
             " cache, and nothing is downloaded. Pass a local folder (the model saved with save_pretrained),"
-            " or unset HF_HUB_OFFLINE to download it"
+            f" or unset {offline} to download it"
         ) from None
 
 
@@ -158,7 +162,7 @@ def _load_error(spec: str, exc: BaseException) -> str:
         return f"cannot load the model in {spec}: {line}"
     offline = _offline()
     hint = (
-        "HF_HUB_OFFLINE is set, so nothing is downloaded: pass a local folder, or unset HF_HUB_OFFLINE"
+        f"{offline} is set, so nothing is downloaded: pass a local folder, or unset {offline}"
         if offline
         else "pass a local folder, or check the id and that this machine reaches the Hugging Face Hub"
     )
