@@ -4,9 +4,12 @@ pixels. Real demo models, a real server, real Chromium."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -100,8 +103,8 @@ def demo_url():
         yield base
 
 
-@pytest.mark.timeout(240)
-def test_the_page_names_the_served_models_and_offers_prompts_that_suit_them(demo_url):
+@contextlib.contextmanager
+def browser_page(url: str) -> Iterator[Any]:
     if not Path(CHROMIUM).exists():
         message = "needs Debian's chromium at /usr/bin/chromium: run `make browser` (as root)"
         if os.environ.get("CI"):
@@ -116,31 +119,47 @@ def test_the_page_names_the_served_models_and_offers_prompts_that_suit_them(demo
         try:
             page = browser.new_page()
             page.set_default_timeout(60_000)
-            page.goto(demo_url)
+            page.goto(url)
             page.locator("#models[data-state=known]").wait_for()
-            text_item = page.inner_text("#model-list li[data-kind=text]")
-            image_item = page.inner_text("#model-list li[data-kind=image]")
-            assert "stopcock-demo-text" in text_item and "Zen of Python" in text_item
-            assert "stopcock-demo-image" in image_item and "handwritten digits" in image_item
-            assert page.input_value("#prompt") == "Beautiful is better than"
-
-            page.check("input[name=kind][value=image]")
-            assert page.input_value("#prompt") == "7"
-            page.fill("#steps", "12")
-            page.click("#generate")
-            page.locator("#status[data-state=completed]").wait_for()
-            page.wait_for_function("document.getElementById('preview').naturalWidth === 16")
-            shown = page.evaluate("""() => {
-                const img = document.getElementById('preview');
-                return [getComputedStyle(img).imageRendering, img.getBoundingClientRect().width];
-            }""")
-            assert shown[0] == "pixelated" and shown[1] >= 256  # 16 px drawn at least 16 times larger
-
-            page.check("input[name=kind][value=text]")
-            assert page.input_value("#prompt") == "Beautiful is better than"
-            page.fill("#max-tokens", "40")
-            page.click("#generate")
-            page.locator("#status[data-state=completed]").wait_for()
-            assert "is better than" in page.inner_text("#output")  # the model knows the Zen of Python
+            yield page
         finally:
             browser.close()
+
+
+@pytest.mark.timeout(240)
+def test_the_page_names_the_served_models_and_offers_prompts_that_suit_them(demo_url):
+    with browser_page(demo_url) as page:
+        text_item = page.inner_text("#model-list li[data-kind=text]")
+        image_item = page.inner_text("#model-list li[data-kind=image]")
+        assert "stopcock-demo-text" in text_item and "Zen of Python" in text_item
+        assert "stopcock-demo-image" in image_item and "handwritten digits" in image_item
+        assert page.input_value("#prompt") == "Beautiful is better than"
+
+        page.check("input[name=kind][value=image]")
+        assert page.input_value("#prompt") == "7"
+        page.fill("#steps", "12")
+        page.click("#generate")
+        page.locator("#status[data-state=completed]").wait_for()
+        page.wait_for_function("document.getElementById('preview').naturalWidth === 16")
+        shown = page.evaluate("""() => {
+            const img = document.getElementById('preview');
+            return [getComputedStyle(img).imageRendering, img.getBoundingClientRect().width];
+        }""")
+        assert shown[0] == "pixelated" and shown[1] >= 256  # 16 px drawn at least 16 times larger
+
+        page.check("input[name=kind][value=text]")
+        assert page.input_value("#prompt") == "Beautiful is better than"
+        page.fill("#max-tokens", "40")
+        page.click("#generate")
+        page.locator("#status[data-state=completed]").wait_for()
+        assert "is better than" in page.inner_text("#output")  # the model knows the Zen of Python
+
+
+@pytest.mark.timeout(240)
+def test_other_models_get_general_prompts_and_an_unserved_kind_cannot_be_chosen(server_backends):
+    only_text = {"text": server_backends["text"]}
+    with serving(only_text, concurrency=1, queue_size=2) as (url, _), browser_page(url) as page:
+        assert "tiny-text" in page.inner_text("#model-list li[data-kind=text]")
+        assert page.locator("#model-list li[data-kind=image]").count() == 0
+        assert page.input_value("#prompt") == "Once upon a time"
+        assert page.is_disabled("input[name=kind][value=image]")
