@@ -150,8 +150,12 @@ def test_the_page_names_the_served_models_and_offers_prompts_that_suit_them(demo
         page.check("input[name=kind][value=text]")
         assert page.input_value("#prompt") == "Beautiful is better than"
         page.fill("#max-tokens", "40")
+        image_job = page.get_attribute("#status", "data-job")
         page.click("#generate")
-        page.locator("#status[data-state=completed]").wait_for()
+        page.wait_for_function("""(before) => {
+            const status = document.getElementById('status');
+            return status.dataset.job !== before && status.dataset.state === 'completed';
+        }""", arg=image_job)
         assert "is better than" in page.inner_text("#output")  # the model knows the Zen of Python
 
 
