@@ -130,3 +130,20 @@ def test_changelog_has_the_current_versions_section():
     assert changelog.startswith("# Changelog")
     assert "## [Unreleased]" in changelog
     assert f"## [{stopcock.__version__}]" in changelog
+
+
+def test_every_lazy_name_has_its_type_checking_import():
+    import ast
+
+    from stopcock import _LAZY
+
+    tree = ast.parse((ROOT / "stopcock" / "__init__.py").read_text())
+    typed: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            for imp in node.body:
+                if isinstance(imp, ast.ImportFrom):
+                    for alias in imp.names:  # ``X as X``: an explicit re-export
+                        assert alias.asname == alias.name, alias.name
+                        typed[alias.name] = f"stopcock.{imp.module}"
+    assert typed == _LAZY  # each lazy name, imported for type checkers from the module it loads from
