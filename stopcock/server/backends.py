@@ -27,9 +27,9 @@ from ..errors import UserError
 from ..events import RowDecoder
 from ..files import png_base64
 from ..items import run_each
-from ..loading import load_image_pipeline, load_text_model, resolve_model
+from ..loading import load_image_pipeline, load_text_model, resolve_model, without_noise
 from ..outcome import Outcome
-from ..previews import decode_preview, latent_preview, previewable
+from ..previews import decode_preview, estimate_preview
 from ..resume import resume
 from ..runner import run
 from ..signal import StopSignal
@@ -274,7 +274,8 @@ class ImageBackend:
         return light
 
     def lane(self) -> ImageLane:
-        pipe = type(self.pipe)(**lane_components(self.pipe.components))
+        with without_noise((type(self.pipe).__module__,)):  # its __init__'s notices were the load's
+            pipe = type(self.pipe)(**lane_components(self.pipe.components))
         pipe.set_progress_bar_config(disable=True)
         return ImageLane(self, pipe)
 
@@ -288,12 +289,14 @@ class ImageLane:
         params = spec.params
         seed = params["seed"] if params.get("seed") is not None else 0
         generator = torch.Generator()
-        xl = "XL" in type(self.pipe).__name__
         preview = params["previews"] and getattr(self.pipe, "vae", None) is not None
 
-        def report(state: StepState) -> None:
-            if preview and previewable(state.latents):
-                ctx.preview(latent_preview(state.latents, xl=xl), state.step)
+        def report(state: StepState) -> None:  # the preview: the step's estimate of the clean image
+            if not preview:
+                return
+            image = estimate_preview(self.pipe, state.latents, state.extra.get("denoised"))
+            if image is not None:
+                ctx.preview(image, state.step)
 
         def one(prompt: str, checkpoint: Any) -> tuple[Outcome, dict[str, Any]]:
             options = {"stop": ctx.stop(from_options(spec.stop)), "on_step": ctx.on_step(report),
