@@ -1,0 +1,265 @@
+"""Stop agreement across ranks: a run sharded over a process group stops on every rank at one step.
+
+A model sharded over several processes (transformers' ``tp_plan="auto"`` under ``torchrun``,
+diffusers' ``enable_parallelism``) runs the same loop on every rank, and the ranks meet in a
+collective inside every step. A stop that reaches one rank only (the one serving a UI) would end
+that rank's loop while the others wait in their next collective, forever. With ``group=`` (or a
+model whose sharding names its group, see :func:`group_of`), ``stopcock.run`` replaces the run's
+stop with an :class:`Agreement`: what can stop the run (signals, timeouts, deadlines, conditions)
+is still decided on each rank, on that rank's clock, but a rank that decides does not stop; it
+*announces* a stop step, and every rank stops at that step, with the announcer's reason.
+
+**The mechanism.** Each run of a group gets a key in the process group's store (the TCP store
+``init_process_group`` made; ``stopcock/ranks/<n>/stop``, ``n`` counting the group's runs on each
+rank, so every rank names the same key without talking). At each step boundary a rank reads the key
+(``store.check``: one host-side round trip to the store, no device synchronisation, no collective).
+A rank whose own stop fires at the boundary after step ``s`` writes ``T = s + 1`` and its reason,
+with ``compare_set``, which writes only if nobody has: when two ranks decide at once, both read back
+the one announcement that won. Every rank (the announcer too) stops at its first boundary at step
+``>= T``; in finish mode the library then builds its result from the steps done, in abort mode the
+run leaves at that boundary (the next module call raises before any collective of step ``T + 1``).
+
+**Why no rank passes T before it sees the announcement.** Call the announcer A and any other rank
+B. Every step contains a collective that completes on a rank only once every rank has entered it
+(the premise of sharding: the ranks exchange activations inside each step). A writes the key at
+its boundary after step ``s``, *before* it enters step ``s + 1``. B completes step ``s + 1`` only
+after A entered step ``s + 1``, so only after the key was written; B's boundary after step ``s + 1``
+(the step ``T``) therefore reads the key and stops there. And B cannot be late for it either:
+A completed step ``s``, so B entered step ``s``, and B's boundaries from then on are ``s``, then
+``s + 1 = T``. A margin of one step is enough, and a stop costs one step more than on one process.
+On a GPU (NCCL launches collectives without waiting), the premise needs the host of each rank to
+wait for each step's result, as ``generate``'s per-token check of finished rows does.
+
+**Cost, measured (``python -m bench`` → "ranks").** The store round trip is tens of microseconds on
+one host, against a step that exchanges activations several times (each exchange a round trip of
+its own): the agreement costs a few percent of a tiny model's token on CPU and gloo, less the larger
+the model. The alternative, a watcher thread that waits on the key (``store.wait``) so that a
+boundary reads a local flag, is only safe if the announcer waits for every rank's watcher to
+acknowledge before it enters step ``T``, an extra round trip per rank at each stop and a thread per
+run per rank, for a saving of one store round trip per step: the per-step check is the simpler one
+that the proof above covers. While no stop is possible a step costs the check and one round trip;
+a plain one-process run costs nothing of this (it has no group).
+
+**Never a hang.** Store calls time out (the store's timeout, ``init_process_group(timeout=)``) and a
+rank whose store or peer is gone raises :class:`RankLost` naming what happened, as does a collective
+of the run that fails because a peer died (gloo reports the closed connection at once). A rank that
+sees an announcement for a step it has already passed (a rank not running in lockstep), or a group
+where some rank is not running the agreement (a rank run without ``group=``), raises
+:class:`RanksError` instead of waiting. A rank that hangs without dying is waited for as long as the
+group's own timeout.
+
+The user's signals are read, not followed: ``skip()`` and ``stop_after_item()`` do not apply to a
+group run, and ``escalate_after=`` is refused (it would abort one rank inside a forward while the
+others wait in a collective).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+from .conditions import Condition, StopLike, as_condition
+from .state import StepState
+
+__all__ = ["Agreement", "RankLost", "RanksError", "agreement", "group_of"]
+
+_R = TypeVar("_R")
+
+#: Where a run's keys live in the group's store.
+PREFIX = "stopcock/ranks"
+
+# runs started per group on this rank: the n of each run's keys (the same on every rank)
+_runs: dict[str, int] = {}
+
+
+class RanksError(RuntimeError):
+    """The ranks of a group cannot agree on a stop: raised on a rank instead of waiting forever."""
+
+
+class RankLost(RanksError):
+    """A rank of the group, or the group's store, is gone (a process died or was killed)."""
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    return dist
+
+
+def group_of(target: Any) -> Any:
+    """The process group ``target``'s model is sharded over, or None (not sharded, or no process
+    group initialised): transformers' ``tp_plan`` device mesh (a model, or a pipeline's ``model``),
+    diffusers' parallel config (``enable_parallelism``) on any model of a pipeline."""
+    dist = sys.modules.get("torch.distributed")  # not imported: nothing can be sharded
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    models = [target, getattr(target, "model", None), getattr(target, "__self__", None)]
+    components = getattr(target, "components", None)
+    if isinstance(components, dict):
+        models += components.values()
+    for model in models:
+        mesh = getattr(model, "_device_mesh", None)  # transformers' tensor parallelism
+        config = getattr(model, "_parallel_config", None)  # diffusers' context or tensor parallelism
+        if mesh is None and config is not None:
+            cp = getattr(config, "context_parallel_config", None)
+            mesh = getattr(cp, "_flattened_mesh", None) or getattr(config, "_mesh", None)
+        if mesh is not None:
+            return _mesh_group(mesh, model)  # (None for a mesh of one rank)
+    return None
+
+
+def _mesh_group(mesh: Any, model: Any) -> Any:
+    """The group of the ranks that step together over ``mesh``: all of them (the whole world, or
+    the one dimension of size > 1), or None for a mesh of one rank."""
+    dist = _dist()
+    if mesh.size() <= 1:
+        return None
+    if mesh.size() == dist.get_world_size():
+        return dist.group.WORLD
+    sharded = [i for i, n in enumerate(mesh.shape) if n > 1]
+    if len(sharded) == 1:
+        return mesh.get_group(sharded[0])
+    raise RanksError(
+        f"the {type(model).__name__} is sharded over a device mesh {tuple(mesh.shape)} that is not the whole"
+        " world: pass the process group whose ranks step together, e.g. stopcock.run(..., group=pg)"
+    )
+
+
+def _store_of(group: Any) -> Any:
+    dist = _dist()
+    if group is None or group is dist.group.WORLD:
+        return dist.distributed_c10d._get_default_store()
+    return dist.distributed_c10d._get_process_group_store(group)
+
+
+class Agreement(Condition):
+    """One run's stop, agreed across the ranks of ``group`` (see the module docstring).
+
+    ``inner`` is the run's own stop (checked on this rank, on this rank's clock); the agreement
+    fires at the step announced by whichever rank decided first, with that rank's reason.
+    """
+
+    reason = "agreed"
+    fires_in_forward = False  # it fires at step boundaries only: a forward is never left half-way
+
+    def __init__(self, inner: Condition | None, group: Any) -> None:
+        dist = _dist()
+        if not dist.is_available() or not dist.is_initialized():
+            raise RanksError(
+                "group= needs torch.distributed initialised on every rank:"
+                " call torch.distributed.init_process_group() first (torchrun sets up its environment)"
+            )
+        self.inner = inner
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self._store = _store_of(group)
+        name = dist.distributed_c10d._get_process_group_name(group) if group is not None else ""
+        n = _runs[name] = _runs.get(name, 0) + 1
+        self.key = f"{PREFIX}/{name or 'world'}/{n}"
+        self.agreed: tuple[int, str] | None = None  # the announced step and reason, once read
+        self._last: int | None = None  # the step of this rank's last boundary
+        self._store_call(self._store.add, f"{self.key}/ranks", 1)  # this rank runs the agreement
+
+    def __repr__(self) -> str:
+        return f"Agreement({self.inner!r}, rank {self.rank} of {self.world})"
+
+    # -- the store ------------------------------------------------------------------------------------
+    def _store_call(self, fn: Callable[..., _R], *args: Any) -> _R:
+        dist = _dist()
+        try:
+            return fn(*args)
+        except dist.DistError as exc:
+            raise RankLost(
+                f"rank {self.rank}: the process group's store did not answer ({exc}); a rank (rank 0 holds"
+                " the store) has died or the group's timeout passed: every rank of the run must be restarted"
+            ) from exc
+
+    def _read(self) -> tuple[int, str] | None:
+        key = f"{self.key}/stop"
+        if not self._store_call(self._store.check, [key]):
+            return None
+        return self._parse(self._store_call(self._store.get, key))
+
+    def _announce(self, step: int, reason: str) -> tuple[int, str]:
+        won = self._store_call(self._store.compare_set, f"{self.key}/stop", "", f"{step} {reason}")
+        return self._parse(won)
+
+    @staticmethod
+    def _parse(raw: bytes) -> tuple[int, str]:
+        step, _, reason = raw.decode().partition(" ")
+        return int(step), reason
+
+    # -- the check ------------------------------------------------------------------------------------
+    def check(self, state: StepState) -> str | None:
+        if state.block:
+            return None
+        step, last = state.step, self._last
+        self._last = step
+        agreed = self.agreed
+        if agreed is None:
+            agreed = self._read()
+            if agreed is not None and last is not None and last >= agreed[0]:
+                raise RanksError(
+                    f"rank {self.rank} passed step {agreed[0]}, where another rank announced a stop, before"
+                    " it saw the announcement: the ranks do not step in lockstep (a rank runs a different"
+                    " loop, or a step has no collective); run the same call on every rank"
+                )
+            if agreed is None and self.inner is not None:
+                reason = self.inner.check(state)
+                if reason is not None:
+                    agreed = self._announce(step + 1, reason)
+            if agreed is None:
+                return None
+            self.agreed = agreed
+        target, reason = agreed
+        if step < target:
+            return None
+        joined = self._store_call(self._store.add, f"{self.key}/ranks", 0)
+        if joined < self.world:
+            raise RanksError(
+                f"rank {self.rank}: {self.world - joined} of the group's {self.world} ranks do not run the stop"
+                " agreement, so they would go on alone: pass the same group= to stopcock.run on every rank"
+            )
+        return reason
+
+    @contextmanager
+    def guard(self) -> Iterator[None]:
+        """Around the run: a collective that fails because a peer is gone raises :class:`RankLost`
+        (from the library's error); any other error passes unchanged."""
+        dist = _dist()
+        try:
+            yield
+        except RuntimeError as exc:
+            text = str(exc)
+            lost = isinstance(exc, dist.DistError) or any(
+                mark in text for mark in ("Connection closed by peer", "Connection reset by peer", "NCCL")
+            )
+            if not lost or isinstance(exc, RanksError):
+                raise
+            raise RankLost(
+                f"rank {self.rank}: a collective of the run failed, a rank of the group has died or left"
+                f" ({text.splitlines()[0] if text else type(exc).__name__}); every rank of the run must be"
+                " restarted"
+            ) from exc
+
+
+def agreement(
+    target: Any, stop: StopLike | None, group: Any, *, escalate_after: float | None = None
+) -> Agreement | None:
+    """The run's stop agreed over ``group`` (given, or found with :func:`group_of`), or None for a run
+    that is not sharded: ``group=False`` turns the detection off."""
+    if group is False:
+        return None
+    if group is None:
+        group = group_of(target)
+        if group is None:
+            return None
+    if escalate_after is not None:
+        raise ValueError(
+            "escalate_after= aborts one rank inside a forward while the other ranks wait in a collective:"
+            " drop it for a run over a process group (mode='abort' leaves every rank at the agreed step)"
+        )
+    return Agreement(None if stop is None else as_condition(stop), group)

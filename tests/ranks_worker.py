@@ -1,0 +1,120 @@
+"""One rank of the cross-rank stop tests (tests/test_ranks.py): ``python tests/ranks_worker.py
+SCENARIO MODEL_DIR OUT_DIR``, under ``torchrun`` or started with torchrun's environment (RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). Writes ``OUT_DIR/rank<r>.json``: the Outcome's
+fields and the tokens (or the image's digest) the rank returned.
+
+Scenarios (``text-*``: a tiny Llama loaded with ``tp_plan="auto"``; ``image-*``: a tiny Stable
+Diffusion pipeline whose UNet all-reduces its output over the group each step, a hand-sharded loop):
+  text-rank0, text-rank1        a StopSignal stopped on that rank only, by on_step at token 3
+  text-rank0-abort              the same in abort mode
+  text-timeout                  timeout(0) on rank 1 only (it has expired at the first check)
+  text-thread                   rank 0's signal stopped by another thread once token 3 is done
+  text-none                     no stop: both ranks run to max_new_tokens
+  text-kill                     rank 1 dies (os._exit) after token 3; rank 0 must raise RankLost
+  image-rank1                   a StopSignal stopped on rank 1 at step 2 of 8
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import stopcock
+from stopcock.ranks import RankLost
+
+STOP_AT = 3
+NEW_TOKENS = 24
+
+
+def _text(scenario: str, model_dir: str, rank: int) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto").eval()
+    signal = stopcock.StopSignal()
+    done_3 = threading.Event()
+    stop: Any = signal
+    mode = "abort" if scenario.endswith("-abort") else "finish"
+    who = 1 if scenario == "text-rank1" else 0
+
+    def on_step(state: stopcock.StepState) -> None:
+        if state.step >= STOP_AT:
+            if scenario.startswith(("text-rank0", "text-rank1")) and rank == who:
+                signal.stop("user")
+            done_3.set()
+            if scenario == "text-kill" and rank == 1:
+                os._exit(7)
+
+    if scenario == "text-timeout":
+        stop = stopcock.timeout(0) if rank == 1 else None
+    if scenario == "text-thread" and rank == 0:
+        def stopper() -> None:
+            if done_3.wait(120):
+                signal.stop("from-thread")
+
+        threading.Thread(target=stopper, daemon=True).start()
+    ids = torch.tensor([[1, 5, 6, 7]])
+    kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    try:
+        outcome = stopcock.run(model, ids, stop=stop, mode=mode, on_step=on_step, **kwargs)
+    except RankLost as exc:
+        return {"error": "RankLost", "message": str(exc)}
+    output = outcome.output
+    tokens = output.tolist() if isinstance(output, torch.Tensor) else None
+    return {
+        "stopped": outcome.stopped, "reason": outcome.reason, "steps": outcome.steps,
+        "mode": outcome.mode, "tokens": tokens,
+    }
+
+
+def _image(scenario: str, rank: int) -> dict[str, Any]:
+    from tiny import image as tiny
+
+    pipe = tiny.stable_diffusion_pipeline()
+    # the hand-sharded loop: each UNet forward meets the other ranks in an all_reduce, as a sharded
+    # denoiser does (the mean of equal outputs leaves them unchanged)
+    def exchange(_module: Any, _args: Any, output: Any) -> Any:
+        sample = output[0] if isinstance(output, tuple) else output.sample
+        dist.all_reduce(sample)
+        sample /= dist.get_world_size()
+        return output
+
+    pipe.unet.register_forward_hook(exchange)
+    signal = stopcock.StopSignal()
+
+    def on_step(state: stopcock.StepState) -> None:
+        if state.step >= 2 and rank == 1:
+            signal.stop("user")
+
+    outcome = stopcock.run(
+        pipe, "a cat", num_inference_steps=8, output_type="np", stop=signal, on_step=on_step,
+        group=dist.group.WORLD, generator=torch.Generator().manual_seed(0),
+    )
+    images = outcome.output.images
+    return {
+        "stopped": outcome.stopped, "reason": outcome.reason, "steps": outcome.steps, "mode": outcome.mode,
+        "digest": hashlib.sha256(images.tobytes()).hexdigest(),
+    }
+
+
+def main() -> None:
+    scenario, model_dir, out = sys.argv[1:4]
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    result = _image(scenario, rank) if scenario.startswith("image") else _text(scenario, model_dir, rank)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
