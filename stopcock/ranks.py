@@ -220,8 +220,9 @@ class Agreement(Condition):
         joined = self._store_call(self._store.add, f"{self.key}/ranks", 0)
         if joined < self.world:
             raise RanksError(
-                f"rank {self.rank}: {self.world - joined} of the group's {self.world} ranks do not run the stop"
-                " agreement, so they would go on alone: pass the same group= to stopcock.run on every rank"
+                f"rank {self.rank}: {self.world - joined} of the {self.world} ranks of the group do not run"
+                " the stop agreement, so they would go on alone: pass the same group= to stopcock.run on"
+                " every rank"
             )
         return reason
 

@@ -1,7 +1,8 @@
 """One rank of the cross-rank stop tests (tests/test_ranks.py): ``python tests/ranks_worker.py
-SCENARIO MODEL_DIR OUT_DIR``, under ``torchrun`` or started with torchrun's environment (RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). Writes ``OUT_DIR/rank<r>.json``: the Outcome's
-fields and the tokens (or the image's digest) the rank returned.
+SCENARIO[,SCENARIO...] MODEL_DIR OUT_DIR``, under ``torchrun`` or started with torchrun's environment
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). Runs the scenarios one after the other in
+one process group (so successive runs of the group are covered too) and writes
+``OUT_DIR/<scenario>.rank<r>.json``: the Outcome's fields and the tokens (or the image's digest).
 
 Scenarios (``text-*``: a tiny Llama loaded with ``tp_plan="auto"``; ``image-*``: a tiny Stable
 Diffusion pipeline whose UNet all-reduces its output over the group each step, a hand-sharded loop):
@@ -35,10 +36,7 @@ STOP_AT = 3
 NEW_TOKENS = 24
 
 
-def _text(scenario: str, model_dir: str, rank: int) -> dict[str, Any]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto").eval()
+def _text(scenario: str, model: Any, rank: int) -> dict[str, Any]:
     signal = stopcock.StopSignal()
     done_3 = threading.Event()
     stop: Any = signal
@@ -106,13 +104,24 @@ def _image(scenario: str, rank: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    scenario, model_dir, out = sys.argv[1:4]
+    scenarios, model_dir, out = sys.argv[1:4]
     torch.set_num_threads(1)
     torch.manual_seed(0)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
-    result = _image(scenario, rank) if scenario.startswith("image") else _text(scenario, model_dir, rank)
-    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    model = None
+    for scenario in scenarios.split(","):
+        if scenario.startswith("image"):
+            result = _image(scenario, rank)
+        else:
+            if model is None:
+                from transformers import AutoModelForCausalLM
+
+                model = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto").eval()
+            result = _text(scenario, model, rank)
+        Path(out, f"{scenario}.rank{rank}.json").write_text(json.dumps(result))
+        if "error" in result:
+            os._exit(0)  # the group is broken: leave without its teardown
     dist.destroy_process_group()
 
 
