@@ -15,7 +15,9 @@ every rank (they must call the same collectives):
 
 Tokens per second (rank 0's wall clock; the ranks wait for each other each step) per arm, the ratio
 to *plain*, and the agreed arm's cost per token over *one process's checks*, with 95% intervals of
-the medians. Then one stopped run: rank 0's signal stops at token 3; both ranks must stop at token 4.
+the medians. Then the store round trip alone, and inside a lockstep loop of one ``all_reduce`` per
+step with and without it (the per-step cost of the check where nothing else varies). Then one stopped
+run: rank 0's signal stops at token 3; both ranks must stop at token 4.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ PROMPT = [1, 5, 6, 7]
 STOP_AT = 3
 PLAIN, LOCAL, FLAG, AGREED = "plain", "one process's checks", "every-step check, no store", "agreed"
 ARMS = (PLAIN, LOCAL, FLAG, AGREED)
+LOOP = 100  # steps of the lockstep loop per measurement
 LAUNCH_TIMEOUT = 600  # seconds: the ranks are bounded, a hang ends the benchmark with an error
 
 
@@ -117,9 +120,24 @@ def _worker(model_dir: str, out: str, tokens: int, rounds: int) -> None:
     for _ in range(n):
         store.check(["stopcock/bench/absent"])
     check_us = (time.perf_counter() - start) / n * 1e6
+    # the round trip inside a lockstep loop: an all_reduce per step, with and without the check
+    x = torch.ones(64)
+
+    def loop(check: bool) -> Any:
+        def arm() -> float:
+            start = time.perf_counter()
+            for _ in range(LOOP):
+                dist.all_reduce(x)
+                if check:
+                    store.check(["stopcock/bench/absent"])
+            return (time.perf_counter() - start) / LOOP * 1e6
+
+        return arm
+
+    lockstep = interleaved({"all_reduce": loop(False), "all_reduce + store.check": loop(True)}, rounds)
     result = {
         "tps": found, "stopped": [stopped.stopped, stopped.reason, stopped.steps],
-        "tokens": stopped.output.tolist(), "store_check_us": check_us,
+        "tokens": stopped.output.tolist(), "store_check_us": check_us, "lockstep": lockstep,
     }
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
@@ -183,6 +201,19 @@ def run(quick: bool = False) -> Section:
             "" if arm in (PLAIN, LOCAL) else f"{amed:.0f} [{alo:.0f}, {ahi:.0f}]",
         )
         data["arms"][arm] = {"tps": med, "ratio": rmed, "added_us": amed}
+    lockstep = ranks[0]["lockstep"]
+    loop = Table(
+        f"A lockstep loop: one all_reduce per step, {LOOP} steps per measurement, {c.rounds} rounds",
+        ["loop", "µs per step (median, 95% CI)"],
+    )
+    for name, values in lockstep.items():
+        lo, hi = median_ci(values)
+        loop.add(name, f"{sorted(values)[len(values) // 2]:.0f} [{lo:.0f}, {hi:.0f}]")
+    plain_loop, checked_loop = lockstep["all_reduce"], lockstep["all_reduce + store.check"]
+    paired = [b - a for a, b in zip(plain_loop, checked_loop, strict=True)]
+    lo, hi = median_ci(paired)
+    data["lockstep_added_us"] = sorted(paired)[len(paired) // 2]
+    loop.add("added by the check (paired by round)", f"{data['lockstep_added_us']:.0f} [{lo:.0f}, {hi:.0f}]")
     data["stopped"] = [r["stopped"] for r in ranks]
     data["equal_outputs"] = ranks[0]["tokens"] == ranks[1]["tokens"]
     data["store_check_us"] = ranks[0]["store_check_us"]
@@ -204,7 +235,7 @@ def run(quick: bool = False) -> Section:
             "The cost per token of agreeing on the stop step across 2 tensor-parallel ranks, before any"
             " stop (`stopcock.run` on each rank; see `stopcock/ranks.py`)."
         ),
-        tables=[table, stop],
+        tables=[table, loop, stop],
         notes=notes,
         data=data,
         headline=[
