@@ -56,6 +56,7 @@ others wait in a collective).
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -69,6 +70,7 @@ _R = TypeVar("_R")
 
 #: Where a run's keys live in the group's store.
 PREFIX = "stopcock/ranks"
+_END = b"end"  # the run's key once the run has ended on some rank with no stop announced
 
 # runs started per group on this rank: the n of each run's keys (the same on every rank)
 _runs: dict[str, int] = {}
@@ -138,7 +140,8 @@ class Agreement(Condition):
     """One run's stop, agreed across the ranks of ``group`` (see the module docstring).
 
     ``inner`` is the run's own stop (checked on this rank, on this rank's clock); the agreement
-    fires at the step announced by whichever rank decided first, with that rank's reason.
+    fires at the step announced by whichever rank decided first, with that rank's reason. Enter
+    :meth:`guard` around the run: it starts the watcher thread and ends it.
     """
 
     reason = "agreed"
@@ -159,9 +162,12 @@ class Agreement(Condition):
         name = dist.distributed_c10d._get_process_group_name(group) if group is not None else ""
         n = _runs[name] = _runs.get(name, 0) + 1
         self.key = f"{PREFIX}/{name or 'world'}/{n}"
-        self.agreed: tuple[int, str] | None = None  # the announced step and reason, once read
+        self._stop_key = f"{self.key}/stop"
+        #: the announced step and reason, once known (set by the watcher thread, or by the announcer)
+        self.agreed: tuple[int, str] | None = None
+        self._known = False  # the run's thread has seen ``agreed``
         self._last: int | None = None  # the step of this rank's last boundary
-        self._store_call(self._store.add, f"{self.key}/ranks", 1)  # this rank runs the agreement
+        self._watcher: threading.Thread | None = None
 
     def __repr__(self) -> str:
         return f"Agreement({self.inner!r}, rank {self.rank} of {self.world})"
@@ -173,18 +179,38 @@ class Agreement(Condition):
             return fn(*args)
         except dist.DistError as exc:
             raise RankLost(
-                f"rank {self.rank}: the process group's store did not answer ({exc}); a rank (rank 0 holds"
-                " the store) has died or the group's timeout passed: every rank of the run must be restarted"
+                f"rank {self.rank}: the process group's store did not answer ({exc}); a rank has died (rank 0"
+                " holds the store), or a rank is not running the agreement (pass the same group= to"
+                " stopcock.run on every rank), or the group's timeout passed: every rank of the run must be"
+                " restarted"
             ) from exc
 
-    def _read(self) -> tuple[int, str] | None:
-        key = f"{self.key}/stop"
-        if not self._store_call(self._store.check, [key]):
-            return None
-        return self._parse(self._store_call(self._store.get, key))
+    def _watch(self, store: Any) -> None:
+        """The watcher thread: wait for the run's key; an announcement is kept (``agreed``), then
+        acknowledged, so the announcer knows this rank will stop at its step."""
+        dist = _dist()
+        while True:
+            try:
+                store.wait([self._stop_key])
+                raw = store.get(self._stop_key)
+                if raw != _END:
+                    self.agreed = self._parse(raw)  # before the acknowledgement: the proof needs it
+                    store.set(f"{self.key}/ack/{self.rank}", b"1")
+                return
+            except dist.DistNetworkError:
+                return  # the store is gone: the run's own collectives and store calls report it
+            except dist.DistStoreError:
+                continue  # the store's timeout passed with no announcement: wait on
 
-    def _announce(self, step: int, reason: str) -> tuple[int, str]:
-        won = self._store_call(self._store.compare_set, f"{self.key}/stop", "", f"{step} {reason}")
+    def _announce(self, step: int, reason: str) -> tuple[int, str] | None:
+        """Announce a stop at ``step`` (unless a rank did first) and wait until every other rank's
+        watcher has it; None if the run has ended on another rank."""
+        won = self._store_call(self._store.compare_set, self._stop_key, "", f"{step} {reason}")
+        if won == _END:
+            return None
+        others = [f"{self.key}/ack/{r}" for r in range(self.world) if r != self.rank]
+        if others:
+            self._store_call(self._store.wait, others)
         return self._parse(won)
 
     @staticmethod
@@ -199,38 +225,34 @@ class Agreement(Condition):
         step, last = state.step, self._last
         self._last = step
         agreed = self.agreed
+        if agreed is None and self.inner is not None:
+            reason = self.inner.check(state)
+            if reason is not None:
+                agreed = self.agreed = self._announce(step + 1, reason)
         if agreed is None:
-            agreed = self._read()
-            if agreed is not None and last is not None and last >= agreed[0]:
+            return None
+        target, reason = agreed
+        if not self._known:
+            self._known = True
+            if last is not None and last >= target:
                 raise RanksError(
-                    f"rank {self.rank} passed step {agreed[0]}, where another rank announced a stop, before"
-                    " it saw the announcement: the ranks do not step in lockstep (a rank runs a different"
+                    f"rank {self.rank} passed step {target}, where another rank announced a stop, before it"
+                    " saw the announcement: the ranks do not step in lockstep (a rank runs a different"
                     " loop, or a step has no collective); run the same call on every rank"
                 )
-            if agreed is None and self.inner is not None:
-                reason = self.inner.check(state)
-                if reason is not None:
-                    agreed = self._announce(step + 1, reason)
-            if agreed is None:
-                return None
-            self.agreed = agreed
-        target, reason = agreed
-        if step < target:
-            return None
-        joined = self._store_call(self._store.add, f"{self.key}/ranks", 0)
-        if joined < self.world:
-            raise RanksError(
-                f"rank {self.rank}: {self.world - joined} of the {self.world} ranks of the group do not run"
-                " the stop agreement, so they would go on alone: pass the same group= to stopcock.run on"
-                " every rank"
-            )
-        return reason
+        return reason if step >= target else None
 
     @contextmanager
     def guard(self) -> Iterator[None]:
-        """Around the run: a collective that fails because a peer is gone raises :class:`RankLost`
-        (from the library's error); any other error passes unchanged."""
+        """Around the run: the watcher thread runs, and a collective that fails because a peer is
+        gone raises :class:`RankLost` (from the library's error); any other error passes unchanged.
+        At the end the run's key is closed (an announcement, or the end), which ends every watcher."""
         dist = _dist()
+        watching = self._store_call(self._store.clone)
+        self._watcher = threading.Thread(
+            target=self._watch, args=(watching,), name="stopcock-ranks", daemon=True
+        )
+        self._watcher.start()
         try:
             yield
         except RuntimeError as exc:
@@ -245,6 +267,16 @@ class Agreement(Condition):
                 f" ({text.splitlines()[0] if text else type(exc).__name__}); every rank of the run must be"
                 " restarted"
             ) from exc
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        """End the run's key, unless a rank announced a stop in it: every rank's watcher wakes."""
+        dist = _dist()
+        try:
+            self._store.compare_set(self._stop_key, "", _END)
+        except dist.DistError:
+            pass  # the store is gone: the watchers end on their own (their wait fails)
 
 
 def agreement(

@@ -206,7 +206,11 @@ def test_group_runs_refuse_escalate_after(one_rank_group, text_model):
 def test_a_rank_that_sees_an_announcement_it_already_passed_raises(one_rank_group):
     agreed = Agreement(None, one_rank_group)
     state = stopcock.StepState
-    assert agreed.check(state(step=4)) is None
-    agreed._announce(3, "user")  # as a rank out of lockstep would have, for a step this one passed
-    with pytest.raises(RanksError, match="lockstep"):
-        agreed.check(state(step=5))
+    store = dist.distributed_c10d._get_default_store()
+    with agreed.guard():
+        assert agreed.check(state(step=4)) is None
+        # as a rank out of lockstep would have announced, for a step this one has passed
+        store.compare_set(f"{agreed.key}/stop", "", "3 user")
+        store.wait([f"{agreed.key}/ack/0"])  # this rank's watcher has the announcement
+        with pytest.raises(RanksError, match="lockstep"):
+            agreed.check(state(step=5))
