@@ -10,43 +10,45 @@ is still decided on each rank, on that rank's clock, but a rank that decides doe
 *announces* a stop step, and every rank stops at that step, with the announcer's reason.
 
 **The mechanism.** Each run of a group gets a key in the process group's store (the TCP store
-``init_process_group`` made; ``stopcock/ranks/<n>/stop``, ``n`` counting the group's runs on each
-rank, so every rank names the same key without talking). At each step boundary a rank reads the key
-(``store.check``: one host-side round trip to the store, no device synchronisation, no collective).
-A rank whose own stop fires at the boundary after step ``s`` writes ``T = s + 1`` and its reason,
-with ``compare_set``, which writes only if nobody has: when two ranks decide at once, both read back
-the one announcement that won. Every rank (the announcer too) stops at its first boundary at step
-``>= T``; in finish mode the library then builds its result from the steps done, in abort mode the
-run leaves at that boundary (the next module call raises before any collective of step ``T + 1``).
+``init_process_group`` made; ``stopcock/ranks/<group>/<n>/stop``, ``n`` counting the group's runs on
+each rank, so every rank names the same key without talking). On each rank a watcher thread waits
+for the key (``store.wait`` on a connection of its own); when it appears, the watcher keeps the
+announcement in the run's :class:`Agreement` and acknowledges it in the store. A rank whose own stop
+fires at the boundary after step ``s`` writes ``T = s + 1`` and its reason with ``compare_set``,
+which writes only if nobody has (when two ranks decide at once, both read back the one that won),
+then waits until every other rank has acknowledged. Every rank (the announcer too) stops at its
+first boundary at step ``>= T``; in finish mode the library then builds its result from the steps
+done, in abort mode the run leaves at that boundary (the next module call raises before any
+collective of step ``T + 1``). When the run ends on a rank with no stop announced, that rank writes
+"end" into the key, which ends every watcher and keeps a late announcement from taking effect.
 
-**Why no rank passes T before it sees the announcement.** Call the announcer A and any other rank
-B. Every step contains a collective that completes on a rank only once every rank has entered it
-(the premise of sharding: the ranks exchange activations inside each step). A writes the key at
-its boundary after step ``s``, *before* it enters step ``s + 1``. B completes step ``s + 1`` only
-after A entered step ``s + 1``, so only after the key was written; B's boundary after step ``s + 1``
-(the step ``T``) therefore reads the key and stops there. And B cannot be late for it either:
-A completed step ``s``, so B entered step ``s``, and B's boundaries from then on are ``s``, then
-``s + 1 = T``. A margin of one step is enough, and a stop costs one step more than on one process.
-On a GPU (NCCL launches collectives without waiting), the premise needs the host of each rank to
-wait for each step's result, as ``generate``'s per-token check of finished rows does.
+**Why no rank passes T before it knows it.** Call the announcer A and any other rank B. Every step
+contains a collective that completes on a rank only once every rank has entered it (the premise of
+sharding: the ranks exchange activations inside each step). A writes the key at its boundary after
+step ``s`` and enters step ``s + 1`` only after B's watcher has acknowledged, which it does after it
+has stored the announcement on B. B completes step ``s + 1`` only after A entered it, so B's
+boundary after step ``s + 1`` (the step ``T``) reads the announcement and stops there. And B cannot
+be late for it: A completed step ``s``, so B entered step ``s``, and B's boundaries from then on are
+``s``, then ``s + 1 = T``. A margin of one step is enough; a stop costs one step more than on one
+process. The watcher runs while B's run thread waits in a collective (collectives release the
+GIL). On a GPU, where NCCL launches collectives without waiting, the premise needs the host of each
+rank to wait for each step's result, as ``generate``'s per-token check of finished rows does.
 
-**Cost, measured (``python -m bench`` → "ranks").** The store round trip is tens of microseconds on
-one host, against a step that exchanges activations several times (each exchange a round trip of
-its own): the agreement costs a few percent of a tiny model's token on CPU and gloo, less the larger
-the model. The alternative, a watcher thread that waits on the key (``store.wait``) so that a
-boundary reads a local flag, is only safe if the announcer waits for every rank's watcher to
-acknowledge before it enters step ``T``, an extra round trip per rank at each stop and a thread per
-run per rank, for a saving of one store round trip per step: the per-step check is the simpler one
-that the proof above covers. While no stop is possible a step costs the check and one round trip;
-a plain one-process run costs nothing of this (it has no group).
+**Cost, measured (``python -m bench --only ranks``).** The first design read the key at every step
+boundary (``store.check``): a round trip of about 40 µs alone, but a few hundred µs per step inside
+a lockstep loop of two gloo ranks on a busy 2-core host, where the store's thread in rank 0's
+process must be scheduled at every step. The watcher moves that wait off the run's thread: a step
+boundary reads one field of this object, and a stop costs the announcement and one acknowledgement
+per rank. Per run: a store connection for the watcher, a thread, and one write at the end.
 
 **Never a hang.** Store calls time out (the store's timeout, ``init_process_group(timeout=)``) and a
 rank whose store or peer is gone raises :class:`RankLost` naming what happened, as does a collective
-of the run that fails because a peer died (gloo reports the closed connection at once). A rank that
-sees an announcement for a step it has already passed (a rank not running in lockstep), or a group
-where some rank is not running the agreement (a rank run without ``group=``), raises
-:class:`RanksError` instead of waiting. A rank that hangs without dying is waited for as long as the
-group's own timeout.
+of the run that fails because a peer died (gloo reports the closed connection at once). An
+announcer whose acknowledgements do not come (a rank not running the agreement: run without the
+same ``group=``) raises :class:`RankLost` after :data:`ACK_TIMEOUT` (or the store's timeout), and
+a rank that sees an announcement for a step it has already passed (a rank not stepping in
+lockstep) raises :class:`RanksError`, instead of going on alone. A rank that hangs without dying
+is waited for as long as the group's own timeout.
 
 The user's signals are read, not followed: ``skip()`` and ``stop_after_item()`` do not apply to a
 group run, and ``escalate_after=`` is refused (it would abort one rank inside a forward while the
@@ -55,6 +57,7 @@ others wait in a collective).
 
 from __future__ import annotations
 
+import datetime
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -71,6 +74,8 @@ _R = TypeVar("_R")
 #: Where a run's keys live in the group's store.
 PREFIX = "stopcock/ranks"
 _END = b"end"  # the run's key once the run has ended on some rank with no stop announced
+#: The longest an announcer waits for the other ranks' acknowledgements (or the store's timeout).
+ACK_TIMEOUT = datetime.timedelta(seconds=60)
 
 # runs started per group on this rank: the n of each run's keys (the same on every rank)
 _runs: dict[str, int] = {}
@@ -209,8 +214,8 @@ class Agreement(Condition):
         if won == _END:
             return None
         others = [f"{self.key}/ack/{r}" for r in range(self.world) if r != self.rank]
-        if others:
-            self._store_call(self._store.wait, others)
+        if others:  # a watcher acknowledges even while its rank waits in a collective
+            self._store_call(self._store.wait, others, min(self._store.timeout, ACK_TIMEOUT))
         return self._parse(won)
 
     @staticmethod
