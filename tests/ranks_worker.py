@@ -12,6 +12,8 @@ Diffusion pipeline whose UNet all-reduces its output over the group each step, a
   text-thread                   rank 0's signal stopped by another thread once token 3 is done
   text-none                     no stop: both ranks run to max_new_tokens
   text-kill                     rank 1 dies (os._exit) after token 3; rank 0 must raise RankLost
+  text-unagreed                 rank 1 runs with group=False; rank 0 stops at token 3 and must raise
+                                RankLost once its wait for rank 1's acknowledgement times out
   image-rank1                   a StopSignal stopped on rank 1 at step 2 of 8
 """
 
@@ -45,7 +47,7 @@ def _text(scenario: str, model: Any, rank: int) -> dict[str, Any]:
 
     def on_step(state: stopcock.StepState) -> None:
         if state.step >= STOP_AT:
-            if scenario.startswith(("text-rank0", "text-rank1")) and rank == who:
+            if scenario.startswith(("text-rank0", "text-rank1", "text-unagreed")) and rank == who:
                 signal.stop("user")
             done_3.set()
             if scenario == "text-kill" and rank == 1:
@@ -61,8 +63,9 @@ def _text(scenario: str, model: Any, rank: int) -> dict[str, Any]:
         threading.Thread(target=stopper, daemon=True).start()
     ids = torch.tensor([[1, 5, 6, 7]])
     kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    group = False if scenario == "text-unagreed" and rank == 1 else None
     try:
-        outcome = stopcock.run(model, ids, stop=stop, mode=mode, on_step=on_step, **kwargs)
+        outcome = stopcock.run(model, ids, stop=stop, mode=mode, on_step=on_step, group=group, **kwargs)
     except RankLost as exc:
         return {"error": "RankLost", "message": str(exc)}
     output = outcome.output
@@ -107,7 +110,8 @@ def main() -> None:
     scenarios, model_dir, out = sys.argv[1:4]
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    seconds = float(os.environ.get("RANKS_TEST_GROUP_TIMEOUT", "60"))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=seconds))
     rank = dist.get_rank()
     model = None
     for scenario in scenarios.split(","):

@@ -72,7 +72,9 @@ def _finish(procs: list[subprocess.Popen[bytes]]) -> list[int]:
     return codes
 
 
-def _launch(scenarios: list[str], model_dir: Path, out: Path, *, world: int = 2) -> list[int]:
+def _launch(
+    scenarios: list[str], model_dir: Path, out: Path, *, world: int = 2, group_timeout: float = 60
+) -> list[int]:
     """The ranks as torchrun starts them (its environment), one process each, without its agent
     (which would end the others when one rank dies)."""
     port = _free_port()
@@ -80,7 +82,8 @@ def _launch(scenarios: list[str], model_dir: Path, out: Path, *, world: int = 2)
         subprocess.Popen(
             [sys.executable, str(WORKER), ",".join(scenarios), str(model_dir), str(out)],
             env={
-                **_env(), "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
+                **_env(), "RANKS_TEST_GROUP_TIMEOUT": str(group_timeout),
+                "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
                 "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
             },
         )
@@ -139,6 +142,16 @@ def test_a_killed_rank_ends_the_other_with_a_clear_error(llama_dir: Path, tmp_pa
     survivor = json.loads((tmp_path / "text-kill.rank0.json").read_text())
     assert survivor["error"] == "RankLost"
     assert "died" in survivor["message"] and "restarted" in survivor["message"]
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+def test_a_rank_left_out_of_the_agreement_ends_the_announcer_with_an_error(llama_dir: Path, tmp_path: Path):
+    # rank 1 runs with group=False: rank 0's stop is never acknowledged; the group's timeout bounds it
+    codes = _launch(["text-unagreed"], llama_dir, tmp_path, group_timeout=10)
+    assert codes[0] == 0  # rank 0 returned with its error (rank 1 then fails in its next collective)
+    announcer = json.loads((tmp_path / "text-unagreed.rank0.json").read_text())
+    assert announcer["error"] == "RankLost"
+    assert "group=" in announcer["message"]
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
