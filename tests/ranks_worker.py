@@ -14,7 +14,9 @@ Diffusion pipeline whose UNet all-reduces its output over the group each step, a
   text-kill                     rank 1 dies (os._exit) after token 3; rank 0 must raise RankLost
   text-unagreed                 rank 1 runs with group=False; rank 0 stops at token 3 and must raise
                                 RankLost once its wait for rank 1's acknowledgement times out
-  image-rank1                   a StopSignal stopped on rank 1 at step 2 of 8
+  image-rank1                   a StopSignal stopped on rank 1 at step 2 of 8, group= given
+  image-detected                the same with no group=: the UNet carries the context-parallel config
+                                diffusers records (``_parallel_config``), from which the group is found
 """
 
 from __future__ import annotations
@@ -89,6 +91,10 @@ def _image(scenario: str, rank: int) -> dict[str, Any]:
         return output
 
     pipe.unet.register_forward_hook(exchange)
+    group: Any = dist.group.WORLD
+    if scenario == "image-detected":
+        group = None
+        _record_context_parallelism(pipe.unet, rank)
     signal = stopcock.StopSignal()
 
     def on_step(state: stopcock.StepState) -> None:
@@ -97,13 +103,29 @@ def _image(scenario: str, rank: int) -> dict[str, Any]:
 
     outcome = stopcock.run(
         pipe, "a cat", num_inference_steps=8, output_type="np", stop=signal, on_step=on_step,
-        group=dist.group.WORLD, generator=torch.Generator().manual_seed(0),
+        group=group, generator=torch.Generator().manual_seed(0),
     )
     images = outcome.output.images
     return {
         "stopped": outcome.stopped, "reason": outcome.reason, "steps": outcome.steps, "mode": outcome.mode,
         "digest": hashlib.sha256(images.tobytes()).hexdigest(),
     }
+
+
+def _record_context_parallelism(model: Any, rank: int) -> None:
+    """What diffusers' ``enable_parallelism`` records on a model for Ulysses context parallelism over
+    every rank, built as ``ModelMixin._resolve_parallel_config`` builds it. That method itself cannot
+    run on a CPU-only torch: it places each rank on ``rank % torch.accelerator.device_count()``, a
+    division by zero here. (The denoiser's forward stays the hand-sharded one above.)"""
+    from diffusers import ContextParallelConfig
+    from diffusers.models._modeling_parallel import ParallelConfig
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cp = ContextParallelConfig(ulysses_degree=dist.get_world_size())
+    config = ParallelConfig(context_parallel_config=cp)
+    mesh = init_device_mesh("cpu", cp.mesh_shape, mesh_dim_names=cp.mesh_dim_names)
+    config.setup(rank, dist.get_world_size(), torch.device("cpu"), mesh=mesh)
+    model._parallel_config = config
 
 
 def main() -> None:
