@@ -287,13 +287,17 @@ class Agreement(Condition):
 def agreement(
     target: Any, stop: StopLike | None, group: Any, *, escalate_after: float | None = None
 ) -> Agreement | None:
-    """The run's stop agreed over ``group`` (given, or found with :func:`group_of`), or None for a run
-    that is not sharded: ``group=False`` turns the detection off."""
+    """The run's stop agreed over ``group`` (a process group or a device mesh, given, or found with
+    :func:`group_of`), or None for a run that is not sharded: ``group=False`` turns the detection off."""
     if group is False:
         return None
     if group is None:
         group = group_of(target)
         if group is None:
+            return None
+    elif hasattr(group, "get_group") and hasattr(group, "mesh_dim_names"):  # a DeviceMesh
+        group = _mesh_group(group, target)
+        if group is None:  # a mesh of one rank: nothing to agree with
             return None
     if escalate_after is not None:
         raise ValueError(

@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -201,9 +202,32 @@ def test_a_one_rank_group_agrees_with_itself(one_rank_group, text_model, tokeniz
     # decided at token 2, announced for token 3, stopped there
     assert (outcome.stopped, outcome.reason, outcome.steps) == (True, "user", 3)
     assert outcome.output.shape[1] == ids.shape[1] + 3
+    for watcher in [t for t in threading.enumerate() if t.name == "stopcock-ranks"]:
+        watcher.join(timeout=30)  # the run's end closed its key: its watcher thread ends
+        assert not watcher.is_alive()
     assert group_of(text_model) is None  # a model that is not sharded: no agreement by itself
     unsharded = stopcock.run(text_model, ids, stop=stopcock.max_steps(2), max_new_tokens=10, do_sample=False)
     assert unsharded.steps == 2
+
+
+@pytest.mark.timeout(120)
+def test_a_stream_over_a_one_rank_group_stops_at_the_agreed_step(one_rank_group, text_model, tokenizer):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ids = tokenizer("Hello", return_tensors="pt").input_ids
+    mesh = init_device_mesh("cpu", (1,))  # a mesh of one rank: nothing to agree with
+    assert agreement(text_model, None, mesh) is None
+    with stopcock.stream(
+        text_model, ids, tokenizer=tokenizer, group=one_rank_group, max_new_tokens=20, do_sample=False,
+        buffer=1,  # the run waits for the consumer: it is at most a few tokens ahead of it
+    ) as events:
+        for event in events:
+            if isinstance(event, stopcock.TextChunk) and event.step >= 2:
+                events.stop()  # seen at token 2 at the earliest: announced for a later token
+            if isinstance(event, stopcock.Done):
+                outcome = event.outcome
+    assert (outcome.stopped, outcome.reason) == (True, "user")
+    assert 3 <= outcome.steps < 20  # the agreed step, before the end
 
 
 def test_a_group_run_needs_torch_distributed_initialised(text_model):
