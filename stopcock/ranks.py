@@ -99,8 +99,8 @@ def group_of(target: Any) -> Any:
     """The process group ``target``'s model is sharded over, or None (not sharded, or no process
     group initialised): transformers' ``tp_plan`` device mesh (a model, or a pipeline's ``model``),
     diffusers' parallel config (``enable_parallelism``) on any model of a pipeline."""
-    dist = sys.modules.get("torch.distributed")  # not imported: nothing can be sharded
-    if dist is None or not dist.is_available() or not dist.is_initialized():
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")  # not imported: nothing is sharded
+    if c10d is None or not c10d.is_initialized():
         return None
     models = [target, getattr(target, "model", None), getattr(target, "__self__", None)]
     components = getattr(target, "components", None)
