@@ -11,7 +11,8 @@ Diffusion pipeline whose UNet all-reduces its output over the group each step, a
   text-timeout                  timeout(0) on rank 1 only (it has expired at the first check)
   text-thread                   rank 0's signal stopped by another thread once token 3 is done
   text-none                     no stop: both ranks run to max_new_tokens
-  text-kill                     rank 1 dies (os._exit) after token 3; rank 0 must raise RankLost
+  text-kill, text-kill0          rank 1 (rank 0, which holds the store) dies (os._exit) after token 3;
+                                the other must raise RankLost
   text-unagreed                 rank 1 runs with group=False; rank 0 stops at token 3 and must raise
                                 RankLost once its wait for rank 1's acknowledgement times out
   image-rank1                   a StopSignal stopped on rank 1 at step 2 of 8, group= given
@@ -52,7 +53,7 @@ def _text(scenario: str, model: Any, rank: int) -> dict[str, Any]:
             if scenario.startswith(("text-rank0", "text-rank1", "text-unagreed")) and rank == who:
                 signal.stop("user")
             done_3.set()
-            if scenario == "text-kill" and rank == 1:
+            if (scenario, rank) in (("text-kill", 1), ("text-kill0", 0)):
                 os._exit(7)
 
     if scenario == "text-timeout":

@@ -137,10 +137,12 @@ def test_tp_llama_under_torchrun_stops_every_rank_at_the_same_token(llama_dir: P
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
-def test_a_killed_rank_ends_the_other_with_a_clear_error(llama_dir: Path, tmp_path: Path):
-    codes = _launch(["text-kill"], llama_dir, tmp_path)
-    assert codes == [0, 7]  # rank 1 died at token 3; rank 0 returned (it did not hang)
-    survivor = json.loads((tmp_path / "text-kill.rank0.json").read_text())
+@pytest.mark.parametrize("dies", [1, 0])  # rank 0 holds the group's store
+def test_a_killed_rank_ends_the_other_with_a_clear_error(llama_dir: Path, tmp_path: Path, dies: int):
+    scenario = "text-kill" if dies == 1 else "text-kill0"
+    codes = _launch([scenario], llama_dir, tmp_path)
+    assert codes[dies] == 7 and codes[1 - dies] == 0  # one died at token 3; the other returned
+    survivor = json.loads((tmp_path / f"{scenario}.rank{1 - dies}.json").read_text())
     assert survivor["error"] == "RankLost"
     assert "died" in survivor["message"] and "restarted" in survivor["message"]
 
