@@ -50,9 +50,10 @@ a rank that sees an announcement for a step it has already passed (a rank not st
 lockstep) raises :class:`RanksError`, instead of going on alone. A rank that hangs without dying
 is waited for as long as the group's own timeout.
 
-The user's signals are read, not followed: ``skip()`` and ``stop_after_item()`` do not apply to a
-group run, and ``escalate_after=`` is refused (it would abort one rank inside a forward while the
-others wait in a collective).
+Every rank makes the same runs of a group in the same order, one at a time (as its collectives
+require anyway): a run's key is named by that order. The user's signals are read, not followed:
+``skip()`` and ``stop_after_item()`` do not apply to a group run, and ``escalate_after=`` is refused
+(it would abort one rank inside a forward while the others wait in a collective).
 """
 
 from __future__ import annotations
@@ -173,6 +174,7 @@ class Agreement(Condition):
         self._known = False  # the run's thread has seen ``agreed``
         self._last: int | None = None  # the step of this rank's last boundary
         self._watcher: threading.Thread | None = None
+        self._closed = False  # the run has ended on this rank
 
     def __repr__(self) -> str:
         return f"Agreement({self.inner!r}, rank {self.rank} of {self.world})"
@@ -184,10 +186,10 @@ class Agreement(Condition):
             return fn(*args)
         except dist.DistError as exc:
             raise RankLost(
-                f"rank {self.rank}: the process group's store did not answer ({exc}); a rank has died (rank 0"
-                " holds the store), or a rank is not running the agreement (pass the same group= to"
-                " stopcock.run on every rank), or the group's timeout passed: every rank of the run must be"
-                " restarted"
+                f"rank {self.rank}: the process group's store did not answer ({exc}); a rank has died (the"
+                " store lives in rank 0's process, or in torchrun's agent), or a rank is not running the"
+                " agreement (pass the same group= to stopcock.run on every rank), or the group's timeout"
+                " passed: every rank of the run must be restarted"
             ) from exc
 
     def _watch(self, store: Any) -> None:
@@ -205,7 +207,9 @@ class Agreement(Condition):
             except dist.DistNetworkError:
                 return  # the store is gone: the run's own collectives and store calls report it
             except dist.DistStoreError:
-                continue  # the store's timeout passed with no announcement: wait on
+                if self._closed:
+                    return
+                continue  # the store's timeout passed with no announcement and the run goes on: wait on
 
     def _announce(self, step: int, reason: str) -> tuple[int, str] | None:
         """Announce a stop at ``step`` (unless a rank did first) and wait until every other rank's
@@ -262,8 +266,9 @@ class Agreement(Condition):
             yield
         except RuntimeError as exc:
             text = str(exc)
+            # gloo reports a peer gone as a plain RuntimeError; NCCL and the store as a DistError
             lost = isinstance(exc, dist.DistError) or any(
-                mark in text for mark in ("Connection closed by peer", "Connection reset by peer", "NCCL")
+                mark in text for mark in ("Connection closed by peer", "Connection reset by peer")
             )
             if not lost or isinstance(exc, RanksError):
                 raise
@@ -278,6 +283,7 @@ class Agreement(Condition):
     def _close(self) -> None:
         """End the run's key, unless a rank announced a stop in it: every rank's watcher wakes."""
         dist = _dist()
+        self._closed = True
         try:
             self._store.compare_set(self._stop_key, "", _END)
         except dist.DistError:
