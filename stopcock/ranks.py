@@ -65,7 +65,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from .conditions import Condition, StopLike, as_condition
+from .conditions import Condition, Signalled, StopLike, as_condition
+from .signal import StopSignal
 from .state import StepState
 
 __all__ = ["Agreement", "RankLost", "RanksError", "agreement", "group_of"]
@@ -175,6 +176,19 @@ class Agreement(Condition):
         self._last: int | None = None  # the step of this rank's last boundary
         self._watcher: threading.Thread | None = None
         self._closed = False  # the run has ended on this rank
+        #: stopped once this rank knows of an announcement: the run's control watches it (see parts)
+        self.announced = StopSignal()
+        self._announced = Signalled(self.announced)
+
+    def parts(self) -> Iterator[Condition]:
+        """What the run's control watches to know when a step must be checked: the parts of the
+        run's own stop (its signals, time limits, ``max_steps``) and :attr:`announced`, not the
+        agreement itself, so a step where none of them can fire takes the control's fast path
+        (no check at all) and a step check that can wait (transformers' criterion) stays out of
+        the loop until one of them arms it."""
+        if self.inner is not None:
+            yield from self.inner.parts()
+        yield self._announced
 
     def __repr__(self) -> str:
         return f"Agreement({self.inner!r}, rank {self.rank} of {self.world})"
@@ -201,7 +215,9 @@ class Agreement(Condition):
                 store.wait([self._stop_key])
                 raw = store.get(self._stop_key)
                 if raw != _END:
-                    self.agreed = self._parse(raw)  # before the acknowledgement: the proof needs it
+                    # known and armed (the run's step checks are in its loop) before the acknowledgement
+                    self.agreed = self._parse(raw)
+                    self.announced.stop("announced")
                     store.set(f"{self.key}/ack/{self.rank}", b"1")
                 return
             except dist.DistNetworkError:
@@ -238,6 +254,7 @@ class Agreement(Condition):
             reason = self.inner.check(state)
             if reason is not None:
                 agreed = self.agreed = self._announce(step + 1, reason)
+                self.announced.stop("announced")
         if agreed is None:
             return None
         target, reason = agreed
@@ -305,9 +322,15 @@ def agreement(
         group = _mesh_group(group, target)
         if group is None:  # a mesh of one rank: nothing to agree with
             return None
+    condition = None if stop is None else as_condition(stop)
+    if condition is not None and any(c.per_row for c in condition.parts()):
+        raise ValueError(
+            "stop_strings(...) is not agreed across ranks: pass transformers' own stop_strings=[...] and"
+            " tokenizer= to the call instead (it ends the same rows on every rank)"
+        )
     if escalate_after is not None:
         raise ValueError(
             "escalate_after= aborts one rank inside a forward while the other ranks wait in a collective:"
             " drop it for a run over a process group (mode='abort' leaves every rank at the agreed step)"
         )
-    return Agreement(None if stop is None else as_condition(stop), group)
+    return Agreement(condition, group)

@@ -11,6 +11,8 @@ Diffusion pipeline whose UNet all-reduces its output over the group each step, a
   text-timeout                  timeout(0) on rank 1 only (it has expired at the first check)
   text-thread                   rank 0's signal stopped by another thread once token 3 is done
   text-none                     no stop: both ranks run to max_new_tokens
+  text-wait, text-wait-abort    no on_step (so no step is checked until a stop is possible): rank 0's
+                                signal is stopped inside its forward of token 4, rank 1 has no stop
   text-kill, text-kill0          rank 1 (rank 0, which holds the store) dies (os._exit) after token 3;
                                 the other must raise RankLost
   text-unagreed                 rank 1 runs with group=False; rank 0 stops at token 3 and must raise
@@ -56,6 +58,8 @@ def _text(scenario: str, model: Any, rank: int) -> dict[str, Any]:
             if (scenario, rank) in (("text-kill", 1), ("text-kill0", 0)):
                 os._exit(7)
 
+    if scenario.startswith("text-wait"):
+        return _waiting(model, rank, mode, signal)
     if scenario == "text-timeout":
         stop = stopcock.timeout(0) if rank == 1 else None
     if scenario == "text-thread" and rank == 0:
@@ -76,6 +80,33 @@ def _text(scenario: str, model: Any, rank: int) -> dict[str, Any]:
     return {
         "stopped": outcome.stopped, "reason": outcome.reason, "steps": outcome.steps,
         "mode": outcome.mode, "tokens": tokens,
+    }
+
+
+def _waiting(model: Any, rank: int, mode: str, signal: stopcock.StopSignal) -> dict[str, Any]:
+    """A run whose step checks wait outside generate's loop until a stop is possible (no on_step):
+    rank 0 stops inside the forward of token 4, as a stop from a UI lands mid-step."""
+    forwards = 0
+
+    def count(_module: Any, _args: Any, _output: Any) -> None:
+        nonlocal forwards
+        forwards += 1
+        if forwards == STOP_AT + 1:
+            signal.stop("user")
+
+    hook = model.register_forward_hook(count) if rank == 0 else None
+    ids = torch.tensor([[1, 5, 6, 7]])
+    try:
+        outcome = stopcock.run(
+            model, ids, stop=signal if rank == 0 else None, mode=mode, max_new_tokens=NEW_TOKENS,
+            do_sample=False, eos_token_id=None, pad_token_id=0,
+        )
+    finally:
+        if hook is not None:
+            hook.remove()
+    return {
+        "stopped": outcome.stopped, "reason": outcome.reason, "steps": outcome.steps,
+        "mode": outcome.mode, "tokens": outcome.output.tolist(),
     }
 
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import stopcock
+from stopcock.conditions import as_condition
 from stopcock.ranks import Agreement, RanksError, agreement, group_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,7 +105,10 @@ def _agreed(results: list[dict[str, Any]]) -> dict[str, Any]:
     return first
 
 
-TEXT = ["text-none", "text-rank0", "text-rank1", "text-rank0-abort", "text-timeout", "text-thread"]
+TEXT = [
+    "text-none", "text-rank0", "text-rank1", "text-rank0-abort", "text-timeout", "text-thread", "text-wait",
+    "text-wait-abort",
+]
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
@@ -130,6 +134,13 @@ def test_tp_llama_under_torchrun_stops_every_rank_at_the_same_token(llama_dir: P
     timed = _agreed(_results(tmp_path, "text-timeout"))  # a clock of rank 1 only
     assert (timed["stopped"], timed["reason"]) == (True, "timeout")
     assert 1 <= timed["steps"] < NEW_TOKENS
+    for scenario, mode in (("text-wait", "finish"), ("text-wait-abort", "abort")):
+        # no on_step: no step was checked until rank 0's stop inside its forward of token 4; the
+        # boundary after it announced token 5, and rank 1's watcher armed rank 1's check for it
+        waited = _agreed(_results(tmp_path, scenario))
+        assert (waited["stopped"], waited["reason"], waited["mode"]) == (True, "user", mode)
+        assert waited["steps"] == STOP_AT + 2
+        assert waited["tokens"][0] == full["tokens"][0][: prompt + STOP_AT + 2]
     threaded = _agreed(_results(tmp_path, "text-thread"))
     assert (threaded["stopped"], threaded["reason"]) == (True, "from-thread")
     assert STOP_AT < threaded["steps"] < NEW_TOKENS
@@ -230,6 +241,19 @@ def test_a_stream_over_a_one_rank_group_stops_at_the_agreed_step(one_rank_group,
                 outcome = event.outcome
     assert (outcome.stopped, outcome.reason) == (True, "user")
     assert 3 <= outcome.steps < 20  # the agreed step, before the end
+
+
+def test_a_group_run_checks_no_step_until_a_stop_is_possible(one_rank_group):
+    from stopcock.control import RunControl
+
+    signal = stopcock.StopSignal()
+    control = RunControl(Agreement(as_condition(signal), one_rank_group))
+    # no step check until a stop is possible: transformers' criterion stays out of generate's loop
+    assert control.steps_wait and control.quiet_step(1)
+    signal.stop("user")  # a stop of this rank's own: the next boundary checks (and announces)
+    assert not control.quiet_step(2)
+    with pytest.raises(ValueError, match="stop_strings="):
+        agreement(None, stopcock.stop_strings(["\n"]), one_rank_group)
 
 
 def test_a_group_run_needs_torch_distributed_initialised(text_model):
