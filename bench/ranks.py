@@ -10,8 +10,8 @@ every rank (they must call the same collectives):
   turned off, stopcock's own cost (which would hang the other rank on a stop);
 - *every-step check*: ``group=False`` with a condition that sees every step and reads nothing,
   the step check the agreement makes (without its watcher thread);
-- *agreed*: ``stopcock.run`` with a ``StopSignal``, the group found on the model: each boundary
-  reads what the watcher thread has seen, with no store round trip.
+- *agreed*: ``stopcock.run`` with a ``StopSignal``, the group found on the model: no step check
+  until a stop is possible, a watcher thread per run waiting on the store.
 
 Tokens per second (rank 0's wall clock; the ranks wait for each other each step) per arm, the ratio
 to *plain*, and the agreed arm's cost per token over *one process's checks*, with 95% intervals of

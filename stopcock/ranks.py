@@ -26,20 +26,25 @@ collective of step ``T + 1``). When the run ends on a rank with no stop announce
 contains a collective that completes on a rank only once every rank has entered it (the premise of
 sharding: the ranks exchange activations inside each step). A writes the key at its boundary after
 step ``s`` and enters step ``s + 1`` only after B's watcher has acknowledged, which it does after it
-has stored the announcement on B. B completes step ``s + 1`` only after A entered it, so B's
-boundary after step ``s + 1`` (the step ``T``) reads the announcement and stops there. And B cannot
-be late for it: A completed step ``s``, so B entered step ``s``, and B's boundaries from then on are
-``s``, then ``s + 1 = T``. A margin of one step is enough; a stop costs one step more than on one
-process. The watcher runs while B's run thread waits in a collective (collectives release the
-GIL). On a GPU, where NCCL launches collectives without waiting, the premise needs the host of each
-rank to wait for each step's result, as ``generate``'s per-token check of finished rows does.
+has stored the announcement on B and armed B's step check. B completes step ``s + 1`` only after A
+entered it, so B's boundary after step ``s + 1`` (the step ``T``) checks, reads the announcement and
+stops there. And B cannot be late for it: A completed step ``s``, so B entered step ``s``, and B's
+boundaries from then on are ``s``, then ``s + 1 = T``. A margin of one step is enough; a stop costs
+one step more than on one process. The watcher runs while B's run thread waits in a collective
+(collectives release the GIL). On a GPU, where NCCL launches collectives without waiting, the
+premise needs the host of each rank to wait for each step's result, as ``generate``'s per-token
+check of finished rows does.
 
-**Cost, measured (``python -m bench --only ranks``).** The first design read the key at every step
-boundary (``store.check``): a round trip of about 40 µs alone, but a few hundred µs per step inside
-a lockstep loop of two gloo ranks on a busy 2-core host, where the store's thread in rank 0's
-process must be scheduled at every step. The watcher moves that wait off the run's thread: a step
-boundary reads one field of this object, and a stop costs the announcement and one acknowledgement
-per rank. Per run: a store connection for the watcher, a thread, and one write at the end.
+**Cost, measured (``python -m bench --only ranks``).** A design that read the key at every step
+boundary (``store.check``) pays a round trip per step: about 40 µs alone, but a few hundred µs per
+step inside a lockstep loop of two gloo ranks on a busy 2-core host, where the store's thread must
+be scheduled at every step. The watcher moves that wait off the run's thread, and the run's control
+sees only what can stop it (:meth:`Agreement.parts`: the run's own signals, time limits and
+``max_steps``, and a signal the watcher stops before it acknowledges), so until a stop is possible
+on this rank or announced by another, a step costs what it costs in one process: nothing of this
+module, and transformers' criterion stays out of generate's loop. A stop costs the announcement
+and one acknowledgement per rank; a run, a store connection for its watcher, a thread, and one
+write at its end.
 
 **Never a hang.** Store calls time out (the store's timeout, ``init_process_group(timeout=)``) and a
 rank whose store or peer is gone raises :class:`RankLost` naming what happened, as does a collective
@@ -78,6 +83,8 @@ PREFIX = "stopcock/ranks"
 _END = b"end"  # the run's key once the run has ended on some rank with no stop announced
 #: The longest an announcer waits for the other ranks' acknowledgements (or the store's timeout).
 ACK_TIMEOUT = datetime.timedelta(seconds=60)
+#: The longest the end of a run waits for its watcher thread to leave.
+WATCHER_EXIT = datetime.timedelta(seconds=10)
 
 # runs started per group on this rank: the n of each run's keys (the same on every rank)
 _runs: dict[str, int] = {}
@@ -298,13 +305,19 @@ class Agreement(Condition):
             self._close()
 
     def _close(self) -> None:
-        """End the run's key, unless a rank announced a stop in it: every rank's watcher wakes."""
+        """End the run's key, unless a rank announced a stop in it: every rank's watcher wakes; wait
+        for this rank's to leave."""
         dist = _dist()
         self._closed = True
         try:
             self._store.compare_set(self._stop_key, "", _END)
         except dist.DistError:
             pass  # the store is gone: the watchers end on their own (their wait fails)
+        watcher = self._watcher
+        if watcher is not None:
+            # it wakes at once (the key is written, or its wait fails); joined so that no thread is
+            # left inside the store's client when the process tears the group or itself down
+            watcher.join(WATCHER_EXIT.total_seconds())
 
 
 def agreement(
