@@ -58,7 +58,6 @@ class Bound:
     checkpoint: bool = False
     agreement: Agreement | None = None  # the stop agreed across the ranks of a process group
 
-
     def __call__(self) -> Outcome:
         control = self.control
         # running()'s two context managers, entered here directly: every call of run() enters them
