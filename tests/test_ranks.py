@@ -178,6 +178,14 @@ def test_a_hand_sharded_diffusers_loop_stops_every_rank_at_the_same_step(tmp_pat
     assert _agreed(_results(tmp_path, "image-detected")) == given
 
 
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+def test_three_ranks_stop_at_the_same_step(tmp_path: Path):
+    # rank 1 announces; it waits for the acknowledgements of ranks 0 and 2
+    assert _launch(["image-rank1"], tmp_path, tmp_path, world=3) == [0, 0, 0]
+    got = _agreed(_results(tmp_path, "image-rank1", world=3))
+    assert (got["stopped"], got["reason"], got["steps"]) == (True, "user", 3)
+
+
 # -- in one process: a group of one rank ---------------------------------------------------------
 
 
