@@ -1,4 +1,4 @@
-"""A stop agreed across ranks: 2 processes on gloo (CPU, one torch thread each), a tiny Llama sharded
+"""A stop agreed across ranks: 2 (and 3) processes on gloo (CPU, one torch thread each), a tiny Llama sharded
 with ``tp_plan="auto"`` and a hand-sharded diffusers loop. Every rank must return, stopped at the same
 step with the same reason and output, whichever rank (or thread, or clock) decided; a killed rank
 must end the other with a clear error. Each launch is bounded by a subprocess timeout: a hang fails.
