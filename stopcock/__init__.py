@@ -54,13 +54,13 @@ if TYPE_CHECKING:  # the lazy names' real types for type checkers; at run time t
     from .adapters.diffusers import attach as attach
     from .adapters.diffusers import guard as guard
     from .adapters.diffusers import step_callback as step_callback
-    from .transformers import stopping_criteria as stopping_criteria
     from .aio import AsyncStream as AsyncStream
     from .aio import arun as arun
     from .aio import astream as astream
     from .checkpoint import Checkpoint as Checkpoint
     from .checkpoint import CheckpointError as CheckpointError
     from .checkpoint import CheckpointMismatch as CheckpointMismatch
+    from .transformers import stopping_criteria as stopping_criteria
 
 
 __all__ = [
