@@ -5,16 +5,14 @@ pixels. Real demo models, a real server, real Chromium."""
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
 import torch
+from browser import chromium  # tests/ is on sys.path under pytest
 
 import stopcock
 from stopcock.loading import load_image_pipeline, resolve_model
@@ -22,8 +20,6 @@ from stopcock.previews import decode_preview, estimate_preview, latent_preview
 from stopcock.server.backends import load_backends
 from stopcock.server.testing import serving
 from stopcock.state import StepState
-
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -105,25 +101,12 @@ def demo_url():
 
 @contextlib.contextmanager
 def browser_page(url: str) -> Iterator[Any]:
-    if not Path(CHROMIUM).exists():
-        message = "needs Debian's chromium at /usr/bin/chromium: run `make browser` (as root)"
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must run the browser test: {message}")
-        pytest.skip(message)
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=[
-            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update"])
-        try:
-            page = browser.new_page()
-            page.set_default_timeout(60_000)
-            page.goto(url)
-            page.locator("#models[data-state=known]").wait_for()
-            yield page
-        finally:
-            browser.close()
+    with chromium() as browser:
+        page = browser.new_page()
+        page.set_default_timeout(60_000)
+        page.goto(url)
+        page.locator("#models[data-state=known]").wait_for()
+        yield page
 
 
 @pytest.mark.timeout(240)
