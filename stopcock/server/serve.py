@@ -70,6 +70,15 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="a stop waits this long for the running step to end, then aborts it at the next module"
         " call, keeping the last finished step's result (default: %(default)s)",
     )
+    parser.add_argument(
+        "--batch-size", type=_positive, default=16, metavar="N",
+        help="greedy text jobs queued together run as the rows of one generate, up to N (1: one at a"
+        " time; default: %(default)s)",
+    )
+    parser.add_argument(
+        "--batch-wait-ms", type=_seconds, default=10.0, metavar="MS",
+        help="how long a batch waits for more jobs to arrive before it starts (default: %(default)s)",
+    )
     ray = parser.add_argument_group("scale-out on Ray Serve (pip install 'stopcock[ray]')")
     ray.add_argument(
         "--engine", choices=("local", "ray"), default="local",
@@ -184,6 +193,8 @@ def _run(args: argparse.Namespace, keys: list[str], backends: dict[str, Any], so
         queue_size=args.queue_size,
         stop_grace=args.stop_grace,
         step_delay=_step_delay(),
+        batch_size=args.batch_size,
+        batch_wait=args.batch_wait_ms / 1000,
     )
 
     class Server(uvicorn.Server):
