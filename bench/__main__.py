@@ -28,6 +28,7 @@ BENCHMARKS = {
     "partial": "bench.partial",
     "resume": "bench.resume",
     "fastforward": "bench.fastforward",
+    "server": "bench.server",
 }
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "RESULTS.md"
