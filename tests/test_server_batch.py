@@ -83,8 +83,9 @@ def test_sixteen_jobs_run_as_one_batch_with_the_texts_they_have_alone(text_backe
     assert reasons[:13] == ["length"] * 13
 
 
-def _progress_at(client: httpx.Client, job: str, step: int) -> None:
-    with client.stream("GET", f"/v1/jobs/{job}/events", timeout=60) as stream:
+def _progress_at(client: httpx.Client, job: str, step: int, **params: str) -> None:
+    """Follow the job's events until its progress reaches ``step`` (then close the stream)."""
+    with client.stream("GET", f"/v1/jobs/{job}/events", params=params, timeout=60) as stream:
         for line in stream.iter_lines():
             if line.startswith("data: "):
                 event = json.loads(line[6:])
@@ -133,3 +134,27 @@ def test_a_running_row_cannot_pause_and_says_how_to(text_backend):
                 client.post(f"/v1/jobs/{job}/stop")
     assert refused.status_code == 409
     assert "--batch-size 1" in refused.text
+
+
+@pytest.mark.timeout(300)
+def test_a_deadline_and_a_disconnect_end_only_their_rows(text_backend, alone):
+    import time
+
+    options = {"batch_size": 4, "batch_wait": 30.0, "step_delay": 0.02}
+    bodies = [_body(PROMPTS[0], {"deadline": time.time() - 1}), *(_body(p, {}) for p in PROMPTS[1:4])]
+    with serving({"text": text_backend}, **options) as (url, _):
+        ids = _all_at_once(url, bodies)
+        with httpx.Client(base_url=url, timeout=60) as client:
+            # the client of job 1 follows it, and goes away at its 5th token
+            _progress_at(client, ids[1], 5, stop_on_disconnect="true")
+            results = [_result(client, job) for job in ids]
+    expired, gone = results[0]["job"], results[1]["job"]
+    # checked before the first token, as a run alone checks it: no token
+    assert (expired["state"], expired["reason"], expired["step"]) == ("stopped", "deadline", 0)
+    assert results[0]["result"]["text"] == ""
+    assert (gone["state"], gone["reason"]) == ("stopped", "disconnected")
+    assert gone["stop_step"] >= 5 and gone["stop_step"] <= gone["step"] <= gone["stop_step"] + 1
+    assert alone[1]["result"]["text"].startswith(results[1]["result"]["text"])
+    for i in (2, 3):
+        assert results[i]["job"]["state"] == "completed"
+        assert results[i]["result"] == alone[i]["result"]

@@ -246,7 +246,17 @@ class RowStops(StoppingCriteria):
             self._pause.wait(self.step_delay)
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)  # type: ignore[return-value]
 
-    def _check(self, row: Row, state: StepState, token: int, ids: torch.Tensor, scores: Any) -> None:
+    @staticmethod
+    def first(row: Row) -> None:
+        """The check before the first token, as a run alone makes it (step 0): a stop or a condition
+        already met ends the row with no token."""
+        state = StepState(step=0, total=row.max_tokens, elapsed=time.monotonic() - row.started)
+        row.job.reach(state)
+        RowStops._stopped(row, state)
+
+    @staticmethod
+    def _stopped(row: Row, state: StepState) -> bool:
+        """End the row if its job's stop, hold or conditions say so; whether they did."""
         job = row.job
         if job.signal.stopped:
             row.end(job.signal.reason or "user", True)
@@ -254,7 +264,12 @@ class RowStops(StoppingCriteria):
             row.end(job.interrupt.reason or "user", True)
         elif row.condition is not None and (reason := row.condition.check(state)) is not None:
             row.end(reason, True)
-        elif row.strings is not None and bool(row.strings(ids, scores)[0]):
+        return row.done
+
+    def _check(self, row: Row, state: StepState, token: int, ids: torch.Tensor, scores: Any) -> None:
+        if self._stopped(row, state):
+            return
+        if row.strings is not None and bool(row.strings(ids, scores)[0]):
             row.end("stop_string", True)
         elif token in self.eos:
             row.end("eos", False)
@@ -291,9 +306,8 @@ def run_batch(model: Any, tokenizer: Any, jobs: Sequence[Job], prompts: Sequence
         eos = model.generation_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         stops = RowStops(rows, prompt_len, eos_ids, step_delay)
-        for row in rows:  # a stop that came before the first token
-            if row.job.signal.stopped:
-                row.end(row.job.signal.reason or "user", True)
+        for row in rows:
+            stops.first(row)
         if not all(row.done for row in rows):
             with torch.inference_mode():
                 model.generate(
