@@ -22,9 +22,10 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
+from .._wake import loop_waker
 from ..signal import StopSignal
 from . import jobs as _jobs
 from .batching import Batching
@@ -99,6 +100,7 @@ class LocalEngine:
         self._running = 0
         self._busy = 0  # workers running a job or a batch
         self.batch = Batching(batch_size, batch_wait)
+        self._ends = _Ends()
         self._closing = False
         self._workers = [
             threading.Thread(
@@ -161,7 +163,7 @@ class LocalEngine:
         if dequeued:
             self._finish_held(job, reason)
         elif wait:
-            await self._wait_final(job, self.stop_wait)
+            await self._ends.wait(job, self.stop_wait)
         return job.view()
 
     async def skip(self, job_id: str, owner: str) -> JobView:
@@ -211,7 +213,7 @@ class LocalEngine:
     async def wait(self, job_id: str, owner: str, timeout: float | None = None) -> JobView:
         """The job's view once it has ended (or after ``timeout`` seconds)."""
         job = self._find(job_id, owner)
-        await self._wait_final(job, timeout)
+        await self._ends.wait(job, timeout)
         return job.view()
 
     async def events(self, job_id: str, owner: str, after: int = 0) -> AsyncIterator[JobEvent]:
@@ -262,9 +264,6 @@ class LocalEngine:
         if job is None or not secrets.compare_digest(job.owner, owner):
             raise JobNotFound(f"no job {job_id!r} (unknown, expired, or created with another key)")
         return job
-
-    async def _wait_final(self, job: _Job, timeout: float | None) -> None:
-        await _jobs.wait_final(job, timeout)
 
     def _key(self, job: _Job) -> tuple[int, int]:
         """Queue order: higher priority first, then submission order."""
@@ -351,12 +350,49 @@ class LocalEngine:
         error: str | None = None,
     ) -> None:
         _jobs.finish(job, state, reason, outcome=outcome, detail=detail, error=error)
+        self._ends.tell(job)
         with self._lock:
             self._finished.append(job.id)
             while len(self._finished) > self.retain:
                 forgotten = self._finished.popleft()
                 self._jobs.pop(forgotten, None)
                 self._order.pop(forgotten, None)
+
+
+class _Ends:
+    """Waits for jobs to end, woken once at the end and not at each event as a wait on the job's
+    changes is: a batch of rows makes two events per row and token, and each wake-up of a waiting
+    request takes the event loop (and the interpreter) from the batch."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._wakers: dict[str, list[Callable[[], None]]] = {}
+
+    async def wait(self, job: _Job, timeout: float | None) -> None:
+        """Return once ``job`` is in a final state (or after ``timeout`` seconds)."""
+        future, wake = loop_waker()
+        with self._lock:  # the state is final before tell() takes the lock: no end is missed
+            if job.state in FINAL_STATES:
+                return
+            self._wakers.setdefault(job.id, []).append(wake)
+        try:
+            await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            with self._lock:
+                waiting = self._wakers.get(job.id, [])
+                if wake in waiting:
+                    waiting.remove(wake)
+                if not waiting:
+                    self._wakers.pop(job.id, None)
+
+    def tell(self, job: _Job) -> None:
+        """``job`` has ended: wake whoever waits for it."""
+        with self._lock:
+            wakers = self._wakers.pop(job.id, [])
+        for wake in wakers:
+            wake()
 
 
 def _started(job: _Job) -> _Job:
