@@ -44,5 +44,5 @@ def test_the_gpu_check_runs_its_code_on_the_cpu_with_tiny_models(tmp_path):
     with quiet():
         assert gpu_check.main(["--cpu-smoke", "--out", str(out)]) == 0
     report = out.read_text()
-    assert "## GPU check" in report and "## Server: batched text jobs" in report
+    assert "## GPU check" in report and "Server: batched text jobs" in report
     assert report.count("| float32 | causal LM") == 1 and report.count("| float32 | UNet") == 1
