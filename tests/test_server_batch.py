@@ -158,3 +158,39 @@ def test_a_deadline_and_a_disconnect_end_only_their_rows(text_backend, alone):
     for i in (2, 3):
         assert results[i]["job"]["state"] == "completed"
         assert results[i]["result"] == alone[i]["result"]
+
+
+@pytest.mark.timeout(120)
+def test_closing_while_a_batch_waits_to_fill_stops_its_job_without_running_it(text_backend):
+    import asyncio
+
+    from stopcock.server.contract import JobSpec
+    from stopcock.server.engine import LocalEngine
+
+    engine = LocalEngine({"text": text_backend}, batch_size=4, batch_wait=60.0)
+    params = {"max_tokens": TOKENS, "temperature": 0.0, "top_p": 1.0, "seed": None}
+    try:
+        view = asyncio.run(engine.submit(JobSpec("text", PROMPTS[0], params), "me"))
+    finally:
+        engine.close(timeout=60)  # wakes the worker waiting for the batch to fill
+    ended = asyncio.run(engine.get(view.id, "me"))
+    assert (ended.state, ended.reason, ended.started) == ("stopped", "shutdown", None)
+    assert engine.stats()["workers_alive"] == 0 and engine.stats()["batches_run"] == 0
+
+
+def test_a_batch_never_takes_a_job_past_a_higher_priority_one_that_runs_alone(text_backend):
+    from stopcock.server.batching import Batching
+    from stopcock.server.contract import JobSpec
+    from stopcock.server.jobs import Job
+
+    def job(priority: int, temperature: float = 0.0) -> Job:
+        params = {"max_tokens": 8, "temperature": temperature, "top_p": 1.0, "seed": 1}
+        return Job(JobSpec("text", "Beautiful is", params, priority=priority), "me")
+
+    lanes = {"text": text_backend.lane()}
+    greedy_high, sampled, greedy_same, greedy_low = job(5), job(1, 0.7), job(1), job(0)
+    queue = [greedy_high, sampled, greedy_same, greedy_low]  # the engine's order: priority first
+    assert Batching(16, 0.0)._ready(queue, lanes) == [greedy_high, greedy_same]
+    assert Batching(1, 0.0)._ready(queue, lanes) == []  # batch size 1: nothing is batched
+    greedy = [greedy_high, greedy_same, greedy_low]
+    assert Batching(2, 0.0)._ready(greedy, lanes) == greedy[:2]  # at most the batch size

@@ -92,26 +92,40 @@ class Batching:
              lanes: Mapping[str, Any]) -> list[Any] | None:
         """Under ``cond`` (the engine's lock, notified on each new job): the next job of ``queue``,
         or, when it can be batched, up to ``size`` jobs that can, waiting up to ``wait`` seconds for
-        the batch to fill (they join ``rows``); None once ``closing()`` with nothing queued."""
+        the batch to fill (they join ``rows``); None once ``closing()`` (the engine then holds the
+        queued jobs, and ``queue`` may be a list it no longer uses)."""
         while True:
             while not queue and not closing():
                 cond.wait()
-            if closing() and not queue:
+            if closing():  # the engine has taken (and stopped) every queued job
                 return None
             if not self.batchable(queue[0], lanes):
                 return [queue.pop(0)]
             deadline = time.monotonic() + self.wait
-            while not closing():
-                left = deadline - time.monotonic()
-                if left <= 0 or sum(self.batchable(j, lanes) for j in queue) >= self.size:
+            while (left := deadline - time.monotonic()) > 0 and not closing():
+                if len(self._ready(queue, lanes)) >= self.size:
                     break
                 cond.wait(left)
-            ready = [j for j in queue if self.batchable(j, lanes)][: self.size]
+            if closing():
+                return None
+            ready = self._ready(queue, lanes)
             if ready:  # else another worker took them while this one waited
                 for job in ready:
                     queue.remove(job)
                 self.rows.update(ready)
                 return ready
+
+    def _ready(self, queue: list[Any], lanes: Mapping[str, Any]) -> list[Any]:
+        """The jobs of ``queue`` (in priority order) a batch can take: batchable ones, none of a lower
+        priority than a job ahead of it that must run alone; at most ``size``."""
+        ready: list[Any] = []
+        alone: int | None = None  # the priority of the first job that must run alone
+        for job in queue:
+            if not self.batchable(job, lanes):
+                alone = job.spec.priority if alone is None else alone
+            elif alone is None or job.spec.priority >= alone:
+                ready.append(job)
+        return ready[: self.size]
 
     def run(self, jobs: list[Any], lane: Any, end: Callable[[Any, Ended], None], step_delay: float) -> None:
         """Run ``jobs`` as one batch on ``lane``: ``end(job, ended)`` as each row ends (every job
