@@ -57,6 +57,7 @@ def causal_lm(device: Device, small: bool = False) -> tuple[Any, Any]:
     with torch.device(device.name):
         model = LlamaForCausalLM(config).to(device.torch_dtype).eval()
     model.generation_config.pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
+    model.generation_config.eos_token_id = None  # random weights: an end of sequence would mean nothing
     return model, tokenizer
 
 
