@@ -194,3 +194,18 @@ def test_a_batch_never_takes_a_job_past_a_higher_priority_one_that_runs_alone(te
     assert Batching(1, 0.0)._ready(queue, lanes) == []  # batch size 1: nothing is batched
     greedy = [greedy_high, greedy_same, greedy_low]
     assert Batching(2, 0.0)._ready(greedy, lanes) == greedy[:2]  # at most the batch size
+
+
+@pytest.mark.timeout(120)
+def test_a_skip_ends_its_row_as_it_ends_a_job_of_one_prompt(text_backend, alone):
+    options = {"batch_size": 2, "batch_wait": 30.0, "step_delay": 0.02}
+    with serving({"text": text_backend}, **options) as (url, _):
+        ids = _all_at_once(url, [_body(p, {}) for p in PROMPTS[:2]])
+        with httpx.Client(base_url=url, timeout=60) as client:
+            _progress_at(client, ids[0], 3)
+            assert client.post(f"/v1/jobs/{ids[0]}/skip").status_code == 200
+            skipped, other = (_result(client, job) for job in ids)
+    assert (skipped["job"]["state"], skipped["job"]["reason"]) == ("stopped", "skipped")
+    assert skipped["job"]["outcome"]["row_reasons"] == ["skipped"]
+    assert alone[0]["result"]["text"].startswith(skipped["result"]["text"])
+    assert other["job"]["state"] == "completed" and other["result"] == alone[1]["result"]

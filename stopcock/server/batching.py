@@ -183,6 +183,7 @@ class Row:
         self.stopped = False
         self.started = time.monotonic()
         self.ended_at: float | None = None
+        self.skips = job.signal.skips  # a skip after this ends the row (a job of one item)
 
     @property
     def done(self) -> bool:
@@ -276,6 +277,8 @@ class RowStops(StoppingCriteria):
             row.end(job.signal.reason or "user", True)
         elif job.interrupt.stopped:
             row.end(job.interrupt.reason or "user", True)
+        elif job.signal.skips > row.skips:
+            row.end("skipped", True)
         elif row.condition is not None and (reason := row.condition.check(state)) is not None:
             row.end(reason, True)
         return row.done
