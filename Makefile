@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 # (PIP_EXTRA_INDEX_URL) or override TORCH; pyproject.toml itself only asks for torch>=2.1.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo-setup demo test docs wheel-smoke soak lint bench coverage browser valgrind clean
+.PHONY: setup demo-setup demo test docs wheel-smoke soak lint bench gpu-check coverage browser valgrind clean
 
 # Two sets, each with its stamp: `make demo` installs what the demo needs (the extras transformers,
 # diffusers and server: pyproject.toml says what each brings), `make test` the development set on top
@@ -62,6 +62,12 @@ lint: setup
 
 bench: setup valgrind
 	HF_HUB_OFFLINE=1 $(BIN)/python -m bench
+
+# On one GPU, in under 8 minutes: overhead ratios in float16 and bfloat16 on real-size random-weight
+# models (a 0.5B causal LM, an SD-1.5-sized UNet), syncs added per step, abort latency until the GPU
+# is idle, batched server throughput; writes bench/RESULTS-gpu.md. Without CUDA it says so and exits 0.
+gpu-check: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.gpu_check
 
 # Stop coverage (not part of `make test`): every generating transformers task on a tiny model, and,
 # with DIFFUSERS_TESTS (the tests folder of a diffusers checkout), every pipeline diffusers' own test

@@ -29,6 +29,7 @@ BENCHMARKS = {
     "resume": "bench.resume",
     "fastforward": "bench.fastforward",
     "ranks": "bench.ranks",
+    "server": "bench.server",
 }
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "RESULTS.md"

@@ -35,6 +35,7 @@ from ..runner import run
 from ..signal import StopSignal
 from ..state import StepState
 from ..tiny.demo import DESCRIPTIONS
+from .batching import run_batch
 from .contract import HELD_STATES, Backend, InvalidJob, JobSpec, RunContext
 from .schemas import MIN_SAMPLING_TEMPERATURE, ImageParameters
 
@@ -216,6 +217,11 @@ class TextLane:
             return outcome, {"text": text, "prompt_tokens": prompt_len, "completion_tokens": outcome.steps}
 
         return each_item(spec, ctx, self.backend.prompts(spec), one)
+
+    def execute_batch(self, jobs: list[Any], on_end: Callable[[Any, Any], None], step_delay: float) -> None:
+        """Run greedy text jobs as the rows of one ``generate`` (see :mod:`stopcock.server.batching`)."""
+        prompts = [self.backend.prompt(job.spec) for job in jobs]
+        run_batch(self.pipe.model, self.pipe.tokenizer, jobs, prompts, on_end, step_delay)
 
 
 # job parameter -> the diffusers pipeline argument

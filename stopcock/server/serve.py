@@ -76,6 +76,15 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         " only add synchronisation; torch's default for models you pass). The local engine only: a Ray"
         " replica runs on 1",
     )
+    parser.add_argument(
+        "--batch-size", type=_positive, default=16, metavar="N",
+        help="greedy text jobs queued together run as the rows of one generate, up to N (1: one at a"
+        " time; default: %(default)s)",
+    )
+    parser.add_argument(
+        "--batch-wait-ms", type=_seconds, default=10.0, metavar="MS",
+        help="how long a batch waits for more jobs to arrive before it starts (default: %(default)s)",
+    )
     ray = parser.add_argument_group("scale-out on Ray Serve (pip install 'stopcock[ray]')")
     ray.add_argument(
         "--engine", choices=("local", "ray"), default="local",
@@ -200,6 +209,8 @@ def _run(args: argparse.Namespace, keys: list[str], backends: dict[str, Any], so
         queue_size=args.queue_size,
         stop_grace=args.stop_grace,
         step_delay=_step_delay(),
+        batch_size=args.batch_size,
+        batch_wait=args.batch_wait_ms / 1000,
     )
 
     class Server(uvicorn.Server):
