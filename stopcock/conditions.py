@@ -28,12 +28,14 @@ __all__ = [
     "Repetition",
     "SoftTimeout",
     "SoftDeadline",
+    "Converged",
     "When",
     "timeout",
     "deadline",
     "max_steps",
     "stop_strings",
     "repetition",
+    "converged",
     "when",
     "StopLike",
     "as_condition",
@@ -348,6 +350,37 @@ class Repetition(Condition):
         return f"repetition(ngram={self.ngram}, repeats={self.repeats}, window={self.window})"
 
 
+class Converged(Condition):
+    """Stops a diffusion run once its estimate of the clean image (x0) stops changing: ``patience``
+    steps in a row each moved it by less than ``tol`` (relative RMS change, 0.02 = 2%).
+
+    The diffusers adapter reports the changes as ``state.extra["denoised_changes"]`` when a run's
+    condition holds this one, and keeps the x0 estimate as the result (``partial="denoised"`` unless
+    ``partial=`` says otherwise). A loop whose scheduler gives no x0 estimate never converges.
+    A shorter schedule often beats it: see the docs' quality-stops page.
+    """
+
+    reason = "converged"
+    fires_in_forward = False
+
+    def __init__(self, tol: float = 0.02, patience: int = 2) -> None:
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < math.inf:
+            raise ValueError(f"converged(tol=...) needs a relative change > 0 (e.g. 0.02), got {tol!r}")
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
+            raise ValueError(f"converged(patience=...) needs an int >= 1, got {patience!r}")
+        self.tol, self.patience = float(tol), patience
+
+    def check(self, state: StepState) -> str | None:
+        if state.block:
+            return None
+        changes = state.extra.get("denoised_changes") or ()
+        recent = changes[-self.patience :]
+        return self.reason if len(recent) == self.patience and max(recent) < self.tol else None
+
+    def __repr__(self) -> str:
+        return f"converged(tol={self.tol:g}, patience={self.patience})"
+
+
 class When(Condition):
     """Stops when ``predicate(state)`` is true; checked at step boundaries only."""
 
@@ -401,6 +434,12 @@ def repetition(ngram: int = 4, repeats: int = 3, window: int = 64) -> Repetition
     return Repetition(ngram, repeats, window)
 
 
+def converged(tol: float = 0.02, patience: int = 2) -> Converged:
+    """Stop a diffusion run once its x0 estimate moved by less than ``tol`` (relative) for
+    ``patience`` steps in a row, keeping that estimate (reason ``"converged"``)."""
+    return Converged(tol, patience)
+
+
 def when(predicate: Callable[[StepState], Any], reason: str = "condition") -> When:
     """Stop when ``predicate(state)`` is true, reporting ``reason``."""
     return When(predicate, reason)
@@ -423,6 +462,11 @@ def as_condition(stop: object) -> Condition:
         "stop= accepts a stopcock.StopSignal, a condition (stopcock.timeout, deadline, max_steps,"
         f" stop_strings, when, combined with | and &), or a non-empty list of these; got {got}"
     )
+
+
+def watches_x0(condition: Condition | None) -> bool:
+    """Whether ``condition`` holds a :class:`Converged`, which needs each step's x0 change."""
+    return condition is not None and any(isinstance(c, Converged) for c in condition.parts())
 
 
 def top_level(condition: Condition | None) -> tuple[Condition, ...]:

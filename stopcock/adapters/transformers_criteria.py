@@ -24,7 +24,7 @@ from transformers import GenerationMixin, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.configuration_utils import GenerationMode
 
 from ..binding import bound
-from ..conditions import StopLike, row_conditions_of
+from ..conditions import StopLike, row_conditions_of, watches_x0
 from ..control import RunControl
 from .transformers_rows import RowEnds, row_ends
 
@@ -320,6 +320,11 @@ class _Settings:
 
 
 def _make_criteria(control: RunControl, tokenizer: Any) -> _RunCriteria:
+    if watches_x0(control.condition):
+        raise ValueError(
+            "converged() watches a diffusion model's x0 estimate, which text generation has not;"
+            " for text that stops changing use stopcock.repetition()"
+        )
     per_row = row_conditions_of(control.condition) if control.watch.per_row else []
     rows = row_ends(control, per_row, tokenizer)
     if rows is None:  # the tokenizer's pad id is for rows that row conditions end (see configure)
