@@ -512,19 +512,52 @@ def refuse_row_conditions(
         )
 
 
+def _repetition_option(value: Any) -> Repetition:
+    """``"repetition": true`` (the defaults) or ``{"ngram": 4, "repeats": 3, "window": 64}`` (any of them)."""
+    if value is True:
+        return Repetition()
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - {"ngram", "repeats", "window"})
+        if unknown:
+            raise ValueError(f"unknown repetition option(s) {unknown}; known: ['ngram', 'repeats', 'window']")
+        return Repetition(**value)
+    raise ValueError(f'repetition takes true or {{"ngram": 4, "repeats": 3, "window": 64}}, got {value!r}')
+
+
 #: The options of :func:`from_options`, each with the condition it builds.
 OPTIONS: dict[str, Callable[[Any], Condition]] = {
     "timeout": Timeout,
     "deadline": Deadline,
     "max_steps": MaxSteps,
     "stop_strings": StopStrings,
+    "repetition": _repetition_option,
 }
+#: Options that change others: ``grace`` and ``grace_max`` make ``timeout`` and ``deadline`` soft.
+MODIFIERS = ("grace", "grace_max")
 
 
 def from_options(options: Mapping[str, Any]) -> list[Condition]:
     """The conditions named in an options mapping (a server job's ``stop``, the CLI's flags):
-    ``{"timeout": 5, "max_steps": 20, "stop_strings": ["\\n"]}``; None or empty values are skipped."""
-    unknown = sorted(set(options) - set(OPTIONS))
+    ``{"timeout": 5, "max_steps": 20, "stop_strings": ["\\n"], "repetition": true}``; None, False
+    or empty values are skipped. ``"grace": "sentence"`` (and ``"grace_max": seconds``) gives the
+    timeout and the deadline a grace (see :func:`timeout`)."""
+    unknown = sorted(set(options) - set(OPTIONS) - set(MODIFIERS))
     if unknown:
-        raise ValueError(f"unknown stop option(s) {unknown}; known: {sorted(OPTIONS)}")
-    return [OPTIONS[name](options[name]) for name in OPTIONS if options.get(name) not in (None, [], ())]
+        raise ValueError(f"unknown stop option(s) {unknown}; known: {sorted([*OPTIONS, *MODIFIERS])}")
+    given = {
+        name: options[name] for name in OPTIONS
+        if options.get(name) not in (None, [], ()) and options.get(name) is not False
+    }
+    grace, grace_max = options.get("grace"), options.get("grace_max")
+    if grace is None and grace_max is not None:
+        raise ValueError("grace_max applies to a timeout or deadline with grace: give grace too")
+    if grace is None:
+        return [OPTIONS[name](value) for name, value in given.items()]
+    if "timeout" not in given and "deadline" not in given:
+        raise ValueError("grace applies to a timeout or a deadline: give one of them too")
+    limit = 10.0 if grace_max is None else grace_max
+    soft: dict[str, Callable[[Any], Condition]] = {
+        "timeout": lambda value: SoftTimeout(value, grace, limit),
+        "deadline": lambda value: SoftDeadline(value, grace, limit),
+    }
+    return [soft.get(name, OPTIONS[name])(value) for name, value in given.items()]
