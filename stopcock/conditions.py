@@ -321,6 +321,7 @@ class Repetition(Condition):
 
     reason = "repetition"
     per_row = True
+    fires_in_forward = False  # it never fires from check(): abort mode needs no in-forward checks for it
 
     def __init__(self, ngram: int = 4, repeats: int = 3, window: int = 64) -> None:
         for name, value, least in (("ngram", ngram, 1), ("repeats", repeats, 2), ("window", window, 1)):

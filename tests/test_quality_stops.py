@@ -230,3 +230,21 @@ def test_grace_needs_the_tokenizer_and_deadline_reports_deadline(text_model, dem
     stop = stopcock.deadline(time.time() - 1, grace="line", grace_max=600)
     outcome = stopcock.run(model, **zen, max_new_tokens=80, do_sample=False, stop=stop, tokenizer=tokenizer)
     assert outcome.reason == "deadline" and outcome.row_reasons == ["deadline"] * len(ZEN)
+
+
+@pytest.mark.timeout(120)
+def test_abort_mode_and_own_generate_call(text_model, tokenizer, batch):
+    from stopcock.control import Watch
+
+    watch = Watch.of(stopcock.repetition() | stopcock.timeout(9, grace="line"))
+    assert watch.per_row and not watch.in_forward  # no check inside each forward for them
+    outcome = stopcock.run(
+        text_model, **batch, max_new_tokens=NEW, do_sample=False, stop=stopcock.repetition(),
+        tokenizer=tokenizer, mode="abort",
+    )
+    assert outcome.row_reasons == ["repetition"] * 2
+    own = text_model.generate(
+        **batch, max_new_tokens=NEW, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+        stopping_criteria=stopcock.stopping_criteria(stopcock.repetition(), tokenizer),
+    )
+    assert torch.equal(own, outcome.output)
