@@ -7,23 +7,34 @@ BIN    := $(VENV)/bin
 # (PIP_EXTRA_INDEX_URL) or override TORCH; pyproject.toml itself only asks for torch>=2.1.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test docs soak lint bench coverage browser valgrind clean
+.PHONY: setup demo-setup demo test docs wheel-smoke soak lint bench gpu-check coverage browser valgrind clean
 
-setup: $(VENV)/.stamp-setup
+# Two sets, each with its stamp: `make demo` installs what the demo needs (the extras transformers,
+# diffusers and server: pyproject.toml says what each brings), `make test` the development set on top
+# (so `make test` after `make demo` upgrades the same venv).
+setup: $(VENV)/.stamp-dev
+demo-setup: $(VENV)/.stamp-demo
 
-$(VENV)/.stamp-setup: pyproject.toml
+$(VENV)/.stamp-venv:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
+	touch $@
+
+$(VENV)/.stamp-demo: pyproject.toml $(VENV)/.stamp-venv
+	$(BIN)/python -m pip install -q -e ".[transformers,diffusers,server]"
+	touch $@
+
+$(VENV)/.stamp-dev: pyproject.toml $(VENV)/.stamp-venv
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $@
 
-demo: setup
+demo: demo-setup
 	HF_HUB_OFFLINE=1 $(BIN)/stopcock demo
 
-test: setup browser valgrind docs
+test: setup browser valgrind docs wheel-smoke
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
-	$(BIN)/ruff check stopcock tests bench tiny _stopcock_launch.py
+	$(BIN)/ruff check stopcock tests bench tiny examples docs/_hooks _stopcock_launch.py
 	$(BIN)/mypy
 
 # The documentation site, built strictly (any warning fails) and offline: the CLI and HTTP API pages
@@ -31,17 +42,32 @@ test: setup browser valgrind docs
 docs: setup
 	HF_HUB_OFFLINE=1 NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
+# The release as a user gets it: build the sdist and, from it, the wheel; check their metadata; then
+# install the wheel into a fresh venv (torch first, $(TORCH)) and run the demo, the commands and the
+# server from a temporary folder, not from the checkout (tests/wheel_smoke.py says what it checks).
+wheel-smoke: setup
+	rm -rf dist
+	$(BIN)/python -m build -q --outdir dist .
+	$(BIN)/twine check --strict dist/*
+	TORCH="$(TORCH)" $(BIN)/python tests/wheel_smoke.py dist
+
 # The reliability suite's longer versions (tests/test_reliability_*.py); prints the figures measured.
 soak: setup
 	HF_HUB_OFFLINE=1 STOPCOCK_SOAK=1 $(BIN)/python -m pytest -q tests/test_reliability_*.py
 
 lint: setup
-	$(BIN)/ruff check stopcock tests bench tiny _stopcock_launch.py
-	$(BIN)/ruff format --check stopcock tests bench tiny _stopcock_launch.py || true
+	$(BIN)/ruff check stopcock tests bench tiny examples docs/_hooks _stopcock_launch.py
+	$(BIN)/ruff format --check stopcock tests bench tiny examples docs/_hooks _stopcock_launch.py || true
 	$(BIN)/mypy
 
 bench: setup valgrind
 	HF_HUB_OFFLINE=1 $(BIN)/python -m bench
+
+# On one GPU, in under 8 minutes: overhead ratios in float16 and bfloat16 on real-size random-weight
+# models (a 0.5B causal LM, an SD-1.5-sized UNet), syncs added per step, abort latency until the GPU
+# is idle, batched server throughput; writes bench/RESULTS-gpu.md. Without CUDA it says so and exits 0.
+gpu-check: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.gpu_check
 
 # Stop coverage (not part of `make test`): every generating transformers task on a tiny model, and,
 # with DIFFUSERS_TESTS (the tests folder of a diffusers checkout), every pipeline diffusers' own test
@@ -68,4 +94,4 @@ valgrind:
 	  else echo "make valgrind: valgrind or cc is missing; as root: apt-get install valgrind gcc" >&2; fi
 
 clean:
-	rm -rf $(VENV) build site *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build dist site *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -28,6 +28,8 @@ BENCHMARKS = {
     "partial": "bench.partial",
     "resume": "bench.resume",
     "fastforward": "bench.fastforward",
+    "ranks": "bench.ranks",
+    "server": "bench.server",
 }
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "RESULTS.md"

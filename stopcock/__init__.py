@@ -6,7 +6,10 @@ step (or at the next module call when aborting), with the reason, the step reach
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ._lazy import lazy_names
+from ._version import __version__ as __version__
 from .conditions import (
     AllOf,
     AnyOf,
@@ -32,8 +35,6 @@ from .signal import StopSignal
 from .state import StepState
 from .stream import Stream, stream
 
-__version__ = "0.1.0"
-
 # Names that need a heavy library (torch, transformers, diffusers): imported on first use.
 _LAZY = {
     "stopping_criteria": "stopcock.transformers",
@@ -49,6 +50,19 @@ _LAZY = {
 }
 
 __getattr__ = lazy_names(__name__, _LAZY)
+
+if TYPE_CHECKING:  # the lazy names' real types for type checkers; at run time they stay lazy (above)
+    # ``X as X``: an explicit re-export (the lazy names reach ``__all__`` through ``_LAZY``).
+    from .adapters.diffusers import attach as attach
+    from .adapters.diffusers import guard as guard
+    from .adapters.diffusers import step_callback as step_callback
+    from .aio import AsyncStream as AsyncStream
+    from .aio import arun as arun
+    from .aio import astream as astream
+    from .checkpoint import Checkpoint as Checkpoint
+    from .checkpoint import CheckpointError as CheckpointError
+    from .checkpoint import CheckpointMismatch as CheckpointMismatch
+    from .transformers import stopping_criteria as stopping_criteria
 
 
 __all__ = [

@@ -27,7 +27,15 @@ from .console import INTERRUPTED, CtrlC, Progress, TextEcho
 from .errors import UsageError, UserError, first_line
 from .files import save_png, writable
 from .items import run_each
-from .loading import check_steps, import_loaders, load_image_pipeline, load_text_model, resolve_model
+from .loading import (
+    DEMO_THREADS,
+    check_steps,
+    import_loaders,
+    is_demo_model,
+    load_image_pipeline,
+    load_text_model,
+    resolve_model,
+)
 from .outcome import Outcome
 from .previews import latent_preview, previewable
 from .resume import resume
@@ -69,6 +77,7 @@ JSON_SCHEMA = """\
   row_reasons    text: how each row ended, or null
   detail         a sentence when something needs saying, or null
   exit_code      the process exit code
+  threads        the torch threads the run used (see --threads)
   text           text: the generated text (without the prompt)
   file           image: the PNG written (null if none), with this object in its "stopcock" text chunk
   image          image: "complete", "partial" (decoded from where it stopped) or "latent preview"
@@ -139,6 +148,23 @@ def not_started(mode: Mode, started: float) -> Outcome:
                                   detail="Ctrl+C while loading the model: nothing was generated")
 
 
+THREADS_HELP = ("torch threads (default: 1 for the built-in demo models, as `stopcock demo` runs them: a step"
+                " of a tiny model is a few small matrix products, and more threads only add synchronisation,"
+                " many times slower on a busy machine; for a model you pass, torch's default)")
+
+
+def set_threads(threads: int | None, spec: str) -> int:
+    """Set torch's thread count for the run: ``threads``, else 1 for a built-in demo model, else leave
+    torch's default. Returns the count in use."""
+    import torch
+
+    if threads is None and is_demo_model(spec):
+        threads = DEMO_THREADS
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return int(torch.get_num_threads())
+
+
 def load_model(ctrl_c: CtrlC, kind: str, spec: str, *, quiet: bool) -> Any:
     """The ``kind`` model ``spec`` (text: model and tokenizer), with Ctrl+C ending the load at once.
 
@@ -166,10 +192,16 @@ def report(outcome: Outcome, fields: dict[str, Any], *, as_json: bool, unit: str
     code = exit_code(outcome)
     if as_json:
         print(json.dumps({"command": fields.pop("command"), "model": fields.pop("model"),
-                          **outcome.summary(), "exit_code": code, **fields}))
+                          **outcome.summary(), "exit_code": code, **_threads_field(), **fields}))
     else:
         print(f"stopcock: {outcome.describe(unit)}", file=sys.stderr)
     return code
+
+
+def _threads_field() -> dict[str, int]:
+    """The torch threads in use, where torch is loaded (a command ended before loading has none)."""
+    torch = sys.modules.get("torch")
+    return {} if torch is None else {"threads": int(torch.get_num_threads())}
 
 
 def _conditions(args: argparse.Namespace) -> list[Condition]:
@@ -226,6 +258,7 @@ def cmd_text(args: argparse.Namespace, ctrl_c: CtrlC) -> int:
         ctrl_c.phase = "ended"
         fields = {"command": "text", "model": model_spec, "text": ""}
         return report(not_started(args.mode, started), fields, as_json=args.json, unit="token")
+    set_threads(args.threads, model_spec)
     encoded = [tokenizer(prompt, return_tensors="pt") for prompt in prompts]
     for prompt, inputs in zip(prompts, encoded, strict=True):
         if inputs["input_ids"].shape[1] == 0:
@@ -308,6 +341,7 @@ def cmd_image(args: argparse.Namespace, ctrl_c: CtrlC) -> int:
         return report(not_started(args.mode, started), {"command": "image", "model": model_spec,
                                                         "file": None, "image": None, "seed": args.seed},
                       as_json=args.json, unit="step")
+    set_threads(args.threads, model_spec)
     check_steps(pipe, args.steps)
     files = iter(outs)
 
@@ -378,6 +412,7 @@ def cmd_resume(args: argparse.Namespace, ctrl_c: CtrlC) -> int:
         return report(not_started(args.mode, started), {**head, "file": None, "image": None,
                                                         "seed": run_info["seed"]},
                       as_json=args.json, unit="step")
+    set_threads(args.threads, model_spec)
     progress = Progress(_progress_style(args, echoing=False))
 
     def resumed(target: Any, **options: Any) -> Outcome:
@@ -398,7 +433,7 @@ def cmd_resume(args: argparse.Namespace, ctrl_c: CtrlC) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(Path(args.out))
+    return run_demo(Path(args.out), threads=args.threads)
 
 
 # -- parser ------------------------------------------------------------------------------------------
@@ -449,6 +484,7 @@ def _add_common(p: argparse.ArgumentParser, model_kind: str) -> None:
                    help="finish: end at the next step with the partial result (default); abort: abandon "
                         "the run inside the model at its next module call")
     p.add_argument("--json", action="store_true", help="print the Outcome as one JSON object on stdout")
+    p.add_argument("--threads", type=_COUNT, metavar="N", help=THREADS_HELP)
     p.add_argument("--progress", choices=("auto", "bar", "lines", "none"), default="auto",
                    help="progress on stderr: a bar, one line per step, or none (auto: a bar on a terminal"
                         " when nothing else is drawn)")
@@ -467,6 +503,9 @@ def build_parser() -> argparse.ArgumentParser:
                           formatter_class=fmt)
     demo.add_argument("--out", default="stopcock-demo.png",
                       help="the PNG comparing the full and the stopped image (default: %(default)s)")
+    demo.add_argument("--threads", type=_COUNT, default=DEMO_THREADS, metavar="N",
+                      help="torch threads (default: %(default)s: the demo models are tiny, and more threads"
+                           " only add synchronisation, many times slower on a busy machine)")
     demo.set_defaults(func=cmd_demo)
 
     text = sub.add_parser("text", help="generate text, streamed to stdout",
@@ -512,6 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
     resumed.add_argument("--partial", choices=PARTIALS, help="what a stopped image shows")
     resumed.add_argument("--mode", choices=MODES, default="finish", help="finish (default) or abort")
     resumed.add_argument("--json", action="store_true", help="print the Outcome as one JSON object")
+    resumed.add_argument("--threads", type=_COUNT, metavar="N", help=THREADS_HELP)
     resumed.add_argument("--progress", choices=("auto", "bar", "lines", "none"), default="auto",
                          help="progress on stderr (auto: a bar on a terminal)")
     resumed.set_defaults(func=cmd_resume)

@@ -13,7 +13,7 @@ from typing import Any
 
 from .conditions import StopLike, max_steps, stop_strings, timeout
 from .files import save_png, writable
-from .loading import load_image_pipeline, load_text_model, resolve_model
+from .loading import DEMO_THREADS, load_image_pipeline, load_text_model, resolve_model
 from .outcome import Outcome
 from .runner import run
 from .signal import StopSignal
@@ -24,9 +24,6 @@ IMAGE_STEPS = 20
 STOP_AT = 8
 SEED = 0
 PROMPT_IMAGE = "7"  # the demo image model draws the digit it is asked for
-#: Torch threads for the demo: its models are tiny, so a step is a few small matrix products and
-#: more threads only add synchronisation (on a busy machine, many times slower).
-DEMO_THREADS = 1
 
 
 class Demo:
@@ -131,13 +128,13 @@ def side_by_side(panels: list[tuple[str, Any]], scale: int = 8) -> Any:
     return sheet
 
 
-def run_demo(out: Path) -> int:
-    """Run the whole demo; 0 if every run ended as it must, else 1."""
+def run_demo(out: Path, threads: int = DEMO_THREADS) -> int:
+    """Run the whole demo on ``threads`` torch threads; 0 if every run ended as it must, else 1."""
     import torch
 
     writable(out)  # a bad --out fails now, not after the runs
-    torch.set_num_threads(DEMO_THREADS)
-    print(f"stopcock demo: every stop path, offline, on tiny models (torch threads: {DEMO_THREADS})")
+    torch.set_num_threads(threads)
+    print(f"stopcock demo: every stop path, offline, on tiny models (torch threads: {threads})")
     for kind, description in DESCRIPTIONS.items():
         print(f"  {kind} model: {description}")
     demo = Demo()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -16,9 +17,31 @@ from typing import Any
 
 from .errors import UsageError, UserError, first_line
 
-__all__ = ["check_steps", "import_loaders", "load_image_pipeline", "load_text_model", "resolve_model"]
+__all__ = [
+    "DEMO_THREADS",
+    "check_steps",
+    "import_loaders",
+    "is_demo_model",
+    "load_image_pipeline",
+    "load_text_model",
+    "resolve_model",
+    "without_noise",
+]
 
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+
+#: Torch threads for the built-in demo models (the demo, and the commands' default on them): they are
+#: tiny, so a step is a few small matrix products and more threads only add synchronisation (on a busy
+#: machine, many times slower).
+DEMO_THREADS = 1
+
+
+def is_demo_model(spec: str) -> bool:
+    """Whether ``spec`` (as :func:`resolve_model` returns it) is one of the built-in demo models."""
+    from .tiny.demo import KINDS, demo_model
+
+    path = Path(spec).expanduser()
+    return path.is_dir() and any(path.resolve() == demo_model(kind).resolve() for kind in KINDS)
 
 
 def resolve_model(spec: str | None, kind: str) -> str:
@@ -37,14 +60,50 @@ def resolve_model(spec: str | None, kind: str) -> str:
 @contextlib.contextmanager
 def _loading(spec: str, *, quiet: bool) -> Iterator[None]:
     """Around a ``from_pretrained``: a failure becomes a one-line :class:`UserError` that names the fix;
-    ``quiet`` hides the libraries' loading bars and notices meanwhile (noise for a tiny demo model)."""
+    ``quiet`` (always for a built-in demo model) hides the libraries' loading bars and notices meanwhile;
+    the notices that say nothing to a user of stopcock are dropped in any case (:data:`_NOISE`), for
+    this load only."""
     with contextlib.ExitStack() as stack:
-        if quiet:
+        if quiet or is_demo_model(spec):
             stack.enter_context(_quiet_libraries())
+        stack.enter_context(without_noise(("transformers.utils.import_utils",)))
         try:
+            _check_offline(spec)
             yield
         except (OSError, ValueError) as exc:
             raise UserError(_load_error(spec, exc)) from None
+
+
+#: Notices the libraries print while loading that a stopcock user cannot act on: transformers' fallback to
+#: the PIL image processors where torchvision is not installed (a CLIP or SigLIP processor, which a
+#: text-to-image pipeline carries and stopcock never calls), and diffusers' Stable Diffusion licence
+#: paragraph for a pipeline loaded without the safety checker its folder does not have.
+_NOISE = (
+    "requires torchvision (not installed); falling back to",
+    "You have disabled the safety checker for",
+)
+
+
+class _DropNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg)
+        return not any(part in message for part in _NOISE)
+
+
+@contextlib.contextmanager
+def without_noise(loggers: tuple[str, ...]) -> Iterator[None]:
+    """Drop :data:`_NOISE` from ``loggers`` (logger names, e.g. a pipeline class's module) meanwhile:
+    a filter on the logger that makes the record (not on a handler), so it holds wherever the record
+    would go, and the user's own logging is left alone."""
+    noise = _DropNoise()
+    targets = [logging.getLogger(name) for name in dict.fromkeys(loggers)]
+    for logger in targets:
+        logger.addFilter(noise)
+    try:
+        yield
+    finally:
+        for logger in targets:
+            logger.removeFilter(noise)
 
 
 @contextlib.contextmanager
@@ -66,13 +125,44 @@ def _quiet_libraries() -> Iterator[None]:
                 module.enable_progress_bar()
 
 
+def _offline() -> str | None:
+    """The variable that puts the Hugging Face libraries offline, where one does."""
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(name, "").lower() in ("1", "true", "yes", "on"):
+            return name
+    return None
+
+
+def _check_offline(spec: str) -> None:
+    """Offline, a hub id loads only from the local Hugging Face cache: one that is not there is a
+    one-line :class:`UserError` naming the id and the fix, before the libraries try (and print)."""
+    offline = _offline()
+    if Path(spec).expanduser().is_dir() or offline is None:
+        return
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        snapshot_download(spec, local_files_only=True)
+    except LocalEntryNotFoundError:
+        raise UserError(
+            f"{spec!r} is not a local folder, and {offline} is set: it is not in the local Hugging Face"
+            " cache, and nothing is downloaded. Pass a local folder (the model saved with save_pretrained),"
+            f" or unset {offline} to download it"
+        ) from None
+
+
+#: Sentences of the libraries' errors that point at something the one-line error does not show.
+_POINTERS = re.compile(r"\s*(Please )?check out the root cause in the stacktrace above\.?", re.IGNORECASE)
+
+
 def _load_error(spec: str, exc: BaseException) -> str:
-    line = first_line(exc)
+    line = _POINTERS.sub("", first_line(exc)).strip()
     if Path(spec).is_dir():
         return f"cannot load the model in {spec}: {line}"
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    offline = _offline()
     hint = (
-        "HF_HUB_OFFLINE is set, so nothing is downloaded: pass a local folder, or unset HF_HUB_OFFLINE"
+        f"{offline} is set, so nothing is downloaded: pass a local folder, or unset {offline}"
         if offline
         else "pass a local folder, or check the id and that this machine reaches the Hugging Face Hub"
     )
@@ -106,9 +196,20 @@ def load_image_pipeline(spec: str, *, quiet: bool = False) -> Any:
     with _loading(spec, quiet=quiet):
         from diffusers import DiffusionPipeline
 
-        pipe = DiffusionPipeline.from_pretrained(spec)
+        with without_noise((_pipeline_module(DiffusionPipeline, spec),)):  # where its class logs from
+            pipe = DiffusionPipeline.from_pretrained(spec)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def _pipeline_module(loader: Any, spec: str) -> str:
+    """The module of the pipeline class that ``spec``'s ``model_index.json`` names ("diffusers" if it
+    names none that diffusers has)."""
+    import diffusers
+
+    name = loader.load_config(spec).get("_class_name")
+    cls = getattr(diffusers, name, None) if isinstance(name, str) else None
+    return str(getattr(cls, "__module__", "diffusers"))
 
 
 def check_steps(pipe: Any, steps: int) -> None:

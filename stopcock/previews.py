@@ -1,4 +1,5 @@
-"""Preview images of diffusion latents: a cheap linear map (no VAE), or an exact VAE decode."""
+"""Preview images of diffusion latents: a cheap linear map (no VAE), an exact VAE decode, or the step's
+estimate of the clean image (x0) shown by whichever of the two fits its size."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ from typing import Any
 
 from .types import PREVIEWS, choice
 
-__all__ = ["decode_preview", "latent_preview", "previewable", "previewer"]
+__all__ = ["DECODE_MAX_LATENT_PIXELS", "decode_preview", "estimate_preview", "latent_preview", "previewable",
+           "previewer"]
+
+#: :func:`estimate_preview` decodes latents of at most this many pixels with the VAE (a 256x256 image for
+#: Stable Diffusion, where a decode is cheap); larger ones get the linear map (1/8 of the image size).
+DECODE_MAX_LATENT_PIXELS = 32 * 32
 
 # Fixed linear maps from Stable Diffusion latents to RGB (factors and bias, as ComfyUI's latent
 # formats publish them): a cheap, rough preview with no VAE call.
@@ -87,3 +93,18 @@ def previewer(pipe: Any, preview: str | None) -> Callable[[Any], Any] | None:
         return lambda latents: decode_preview(pipe, latents)
     xl = "XL" in type(pipe).__name__
     return lambda latents: latent_preview(latents, xl=xl)
+
+
+def estimate_preview(pipe: Any, latents: Any, denoised: Any = None) -> Any:
+    """A preview of a step that a person recognises: the step's estimate of the clean image (``denoised``,
+    the x0 that ``StepState.extra["denoised"]`` holds; else the noisy ``latents``), decoded by the VAE
+    where the latents are small (at most :data:`DECODE_MAX_LATENT_PIXELS`), else by the linear map.
+    None where neither applies (no VAE and latents the linear map does not cover, packed latents)."""
+    x = denoised if getattr(denoised, "ndim", None) == 4 else latents
+    if getattr(x, "ndim", None) != 4:
+        return None
+    if getattr(pipe, "vae", None) is not None and x.shape[-2] * x.shape[-1] <= DECODE_MAX_LATENT_PIXELS:
+        return decode_preview(pipe, x)
+    if previewable(x):
+        return latent_preview(x, xl="XL" in type(pipe).__name__)
+    return None

@@ -21,6 +21,7 @@ from .control import RunControl
 from .interrupt import catching, take
 from .outcome import Outcome
 from .pause import holding
+from .ranks import Agreement, agreement
 from .signal import StopSignal
 from .state import StepState
 from .types import Mode
@@ -28,7 +29,7 @@ from .types import Mode
 __all__ = ["RUN_OPTIONS", "Bound", "UnsupportedTarget", "bind", "resumable", "run", "running"]
 
 #: ``run()``'s own keyword arguments besides ``stop=``, which the streams pass through to it.
-RUN_OPTIONS = ("mode", "escalate_after", "on_step", "adapter", "kwargs", "checkpoint")
+RUN_OPTIONS = ("mode", "escalate_after", "on_step", "adapter", "kwargs", "checkpoint", "group")
 
 
 def resumable(adapter: Adapter) -> Resumable:
@@ -58,6 +59,7 @@ class Bound:
     control: RunControl
     checkpoint: bool = False
     interrupt: StopSignal | None = None  # stopped by Ctrl+C during the run (stop=interrupted())
+    agreement: Agreement | None = None  # the stop agreed across the ranks of a process group
 
     def __call__(self) -> Outcome:
         if self.interrupt is not None:
@@ -70,7 +72,10 @@ class Bound:
         # running()'s two context managers, entered here directly: every call of run() enters them
         with control, holding(control.condition, control.token, self.target):
             run = resumable(self.adapter).record if self.checkpoint else self.adapter.run
-            return run(self.target, self.args, self.kwargs, control, **self.options)
+            if self.agreement is None:
+                return run(self.target, self.args, self.kwargs, control, **self.options)
+            with self.agreement.guard():  # a peer gone mid-collective: a clear error
+                return run(self.target, self.args, self.kwargs, control, **self.options)
 
 
 def bind(
@@ -85,6 +90,7 @@ def bind(
     adapter: str | Adapter | None = None,
     kwargs: Mapping[str, Any] | None = None,
     checkpoint: bool = False,
+    group: Any = None,
 ) -> Bound:
     """Check everything that can be checked before the run and bind it (see :func:`run`)."""
     stop, interrupt = take(stop)  # interrupted(): a signal of this run, stopped by its SIGINT handler
@@ -116,7 +122,11 @@ def bind(
                 f"{', '.join(twice)} given both in kwargs= and as a keyword argument: give it once"
             )
         target_kwargs.update(kwargs)
-    return Bound(found, target, args, target_kwargs, options, control, checkpoint, interrupt)
+    # a model sharded over a process group (or group=): the stop is agreed across its ranks
+    agreed = agreement(target, stop, group, escalate_after=escalate_after)
+    if agreed is not None:
+        control = RunControl(agreed, mode=mode, on_step=on_step)
+    return Bound(found, target, args, target_kwargs, options, control, checkpoint, interrupt, agreed)
 
 
 def run(
@@ -129,6 +139,7 @@ def run(
     adapter: str | Adapter | None = None,
     kwargs: Mapping[str, Any] | None = None,
     checkpoint: bool = False,
+    group: Any = None,
     **target_kwargs: Any,
 ) -> Outcome:
     """Run ``target(*args, **target_kwargs)`` with the stop machinery attached.
@@ -145,9 +156,12 @@ def run(
     adapter's own options (``partial=`` for diffusers); ``kwargs=`` is a mapping of target
     arguments passed as they are, for a name that ``run()`` itself uses (e.g. a pipeline's ``mode``).
     ``checkpoint=True`` records what :func:`stopcock.resume` needs to continue the run bit for bit
-    later (here or in another process): ``outcome.checkpoint``, stopped or not.
+    later (here or in another process): ``outcome.checkpoint``, stopped or not. ``group=`` (a
+    ``torch.distributed`` process group; found on a sharded model by itself, ``group=False`` turns
+    that off): a stop on any rank stops every rank of the group at the same step
+    (:mod:`stopcock.ranks`).
     """
     return bind(
         target, args, target_kwargs, stop=stop, mode=mode, escalate_after=escalate_after, on_step=on_step,
-        adapter=adapter, kwargs=kwargs, checkpoint=checkpoint,
+        adapter=adapter, kwargs=kwargs, checkpoint=checkpoint, group=group,
     )()

@@ -14,16 +14,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import os
-import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
+from browser import chromium  # tests/ is on sys.path under pytest
 from conftest import RAY_KEYS
 
 from stopcock.server.contract import FINAL_STATES, Engine
@@ -540,38 +538,24 @@ def test_the_job_api_stops_an_openai_request(oai, client):
 
 
 # -- the web page ------------------------------------------------------------------------------------
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
 
 def test_the_page_generates_and_stops(server, client):
-    if not Path(CHROMIUM).exists():
-        message = "needs Debian's chromium at /usr/bin/chromium: run `make browser` (as root)"
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must run the browser test: {message}")
-        pytest.skip(message)
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"]
-        )
-        try:
-            page = browser.new_page()
-            page.set_default_timeout(60_000)
-            page.goto(server.url)
-            page.fill("#key", RAY_KEYS[0])
-            page.dispatch_event("#key", "change")
-            page.check("input[name=kind][value=text]")
-            page.fill("#prompt", "Once upon a time")
-            page.fill("#max-tokens", str(LONG))
-            page.click("#generate")
-            page.wait_for_function("Number(document.getElementById('progress').value) >= 3")
-            page.click("#stop")
-            status = page.locator("#status[data-state=stopped]")
-            status.wait_for()
-            job, step = status.get_attribute("data-job"), status.get_attribute("data-step")
-        finally:
-            browser.close()
+    with chromium() as browser:
+        page = browser.new_page()
+        page.set_default_timeout(60_000)
+        page.goto(server.url)
+        page.fill("#key", RAY_KEYS[0])
+        page.dispatch_event("#key", "change")
+        page.check("input[name=kind][value=text]")
+        page.fill("#prompt", "Once upon a time")
+        page.fill("#max-tokens", str(LONG))
+        page.click("#generate")
+        page.wait_for_function("Number(document.getElementById('progress').value) >= 3")
+        page.click("#stop")
+        status = page.locator("#status[data-state=stopped]")
+        status.wait_for()
+        job, step = status.get_attribute("data-job"), status.get_attribute("data-step")
     view = client.get(f"/v1/jobs/{job}").json()
     assert (view["state"], view["reason"], view["step"]) == ("stopped", "user", int(str(step)))
     assert within_one_step(view)

@@ -11,12 +11,12 @@ from __future__ import annotations
 import importlib.util
 import io
 import os
-import shutil
 import threading
 from pathlib import Path
 
 import httpx
 import pytest
+from browser import chromium  # tests/ is on sys.path under pytest
 
 import stopcock
 from stopcock.gradio import Session, View, enlarge
@@ -26,7 +26,6 @@ os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
 gr = pytest.importorskip("gradio")
 
 ROOT = Path(__file__).resolve().parent.parent
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 WAIT = 120
 HOLD = 5  # the 0-based model call held: the run has done 5 steps, and stops after the 6th
 
@@ -85,27 +84,14 @@ def app(one_torch_thread, lookups):
 
 @pytest.fixture(scope="module")
 def page(app):
-    if not Path(CHROMIUM).exists():
-        message = "needs Debian's chromium at /usr/bin/chromium: run `make browser` (as root)"
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must run the browser test: {message}")
-        pytest.skip(message)
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=CHROMIUM,
-            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update"],
-        )
+    with chromium() as browser:
         page = browser.new_page()
         outside: list[str] = []  # what the page asks of any host but the app's: nothing, offline
         page.on("request", lambda r: None if r.url.startswith(app[0]) else outside.append(r.url))
         page.set_default_timeout(WAIT * 1000)
         page.goto(app[0])
         yield page
-        browser.close()
-        assert not [u for u in outside if not u.startswith(("data:", "blob:"))], outside
+    assert not [u for u in outside if not u.startswith(("data:", "blob:"))], outside
 
 
 def _free_port() -> int:

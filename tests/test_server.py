@@ -207,7 +207,9 @@ def test_concurrency_limit_then_shutdown_stops_every_job_and_joins_the_workers(s
             wait_for_step(client, job["id"], 1)
         # two workers: the third job waits while the first two run
         assert client.get(f"/v1/jobs/{jobs[2]['id']}").json()["state"] == "queued"
-        assert engine.stats() == {"queued": 1, "running": 2, "jobs": 3, "workers_alive": 2}
+        batching = {"batch_size": 1, "batch_wait_ms": 0, "batch_rows_running": 0, "batches_run": 0,
+                    "batched_jobs": 0}  # batch_size 1: no batches
+        assert engine.stats() == {"queued": 1, "running": 2, "jobs": 3, "workers_alive": 2, **batching}
         engine.close()
         views = [client.get(f"/v1/jobs/{j['id']}").json() for j in jobs]
         assert {v["state"] for v in views} == {"stopped"} and {v["reason"] for v in views} == {"shutdown"}

@@ -7,16 +7,14 @@ clicked; the test waits for progress on the page (never sleeps) before clicking.
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 import httpx
 import pytest
+from browser import chromium  # tests/ is on sys.path under pytest
 
 from stopcock.server.testing import serving
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 KEY = "e2e-key"
 
@@ -29,31 +27,13 @@ def url(server_backends, one_torch_thread):
 
 @pytest.fixture(scope="module")
 def page(url):
-    if not Path(CHROMIUM).exists():
-        message = "needs Debian's chromium at /usr/bin/chromium: run `make browser` (as root)"
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must run the browser test: {message}")
-        pytest.skip(message)
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=CHROMIUM,
-            args=[
-                "--headless",
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-background-networking",
-                "--disable-component-update",
-            ],
-        )
+    with chromium() as browser:
         page = browser.new_page()
         page.set_default_timeout(60_000)
         page.goto(url)
         page.fill("#key", KEY)
         page.dispatch_event("#key", "change")
         yield page
-        browser.close()
 
 
 def _server_view(url: str, job: str) -> dict:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from ..pipeline_facts import is_generic_pipeline_name, is_pipeline_class_name
 
-__all__ = ["Value", "Scope", "Resolver"]
+__all__ = ["Value", "Scope", "Scopes", "Resolver"]
 
 ScopeNode = ast.Module | ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda | ast.ClassDef
 FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef
@@ -80,8 +80,9 @@ class Scope:
         self.bindings.setdefault(name, []).append(source)
 
 
-class Resolver:
-    """Scopes of one module, and :meth:`value` of an expression in its scope."""
+class Scopes:
+    """The scopes of one module by Python's rules: what each binds, where a node stands, which
+    function a name defines. Knows nothing of values (:class:`Resolver` adds them)."""
 
     def __init__(self, tree: ast.Module) -> None:
         self.tree = tree
@@ -228,7 +229,6 @@ class Resolver:
             yield current
             current = self.parents.get(current)
 
-    # -- values ------------------------------------------------------------------------------------
     def lookup(self, name: str, scope: Scope) -> tuple[list[ast.AST], Scope] | None:
         """The bindings of ``name`` seen from ``scope`` (Python's rules: class bodies are skipped)."""
         current: Scope | None = self.module if name in scope.globals else scope
@@ -240,6 +240,30 @@ class Resolver:
             current = current.parent
         return None
 
+    # -- helpers for rules ---------------------------------------------------------------------------
+    def function(self, expr: ast.AST | None, scope: Scope | None = None) -> FunctionNode | None:
+        """The function defined in this file that ``expr`` names (a name, ``self.method``), or None."""
+        if expr is None:
+            return None
+        scope = scope or self.scope_of(expr)
+        if isinstance(expr, ast.Name):
+            found = self.lookup(expr.id, scope)
+            if found is not None and len(found[0]) == 1:
+                node = found[0][0]
+                return node if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+        if isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name):
+            owner = self._method_class(scope)
+            if owner is not None and expr.value.id == self._self_name(scope):
+                methods = owner.bindings.get(expr.attr, [])
+                if len(methods) == 1 and isinstance(methods[0], (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    return methods[0]
+        return None
+
+
+class Resolver(Scopes):
+    """:meth:`value` of an expression in its scope, over the module's :class:`Scopes`."""
+
+    # -- values ------------------------------------------------------------------------------------
     def value(self, expr: ast.AST | None, scope: Scope | None = None) -> Value | None:
         """What ``expr`` holds, or None when the source does not make it certain."""
         if expr is None:
@@ -406,25 +430,6 @@ class Resolver:
         if not isinstance(value, Value):
             return None
         return _pipeline(value.imported("diffusers"))
-
-    # -- helpers for rules ---------------------------------------------------------------------------
-    def function(self, expr: ast.AST | None, scope: Scope | None = None) -> FunctionNode | None:
-        """The function defined in this file that ``expr`` names (a name, ``self.method``), or None."""
-        if expr is None:
-            return None
-        scope = scope or self.scope_of(expr)
-        if isinstance(expr, ast.Name):
-            found = self.lookup(expr.id, scope)
-            if found is not None and len(found[0]) == 1:
-                node = found[0][0]
-                return node if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
-        if isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name):
-            owner = self._method_class(scope)
-            if owner is not None and expr.value.id == self._self_name(scope):
-                methods = owner.bindings.get(expr.attr, [])
-                if len(methods) == 1 and isinstance(methods[0], (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    return methods[0]
-        return None
 
 
 # Attribute names of tracked modules that are submodules (``diffusers.pipelines``), not classes.

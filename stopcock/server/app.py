@@ -7,14 +7,18 @@ served over another :class:`~stopcock.server.contract.Engine` (e.g. a distribute
 
 from __future__ import annotations
 
+import html
 from collections.abc import Iterable
 from importlib import resources
+from importlib.util import find_spec
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -116,14 +120,74 @@ def _install_errors(app: FastAPI) -> None:
         app.add_exception_handler(cls, handler)
 
 
+DOCS_ASSETS = "/docs/assets"  # where the API docs' scripts, styles and icon are served from
+
+
+def _operations_page(schema: dict[str, Any], openapi_url: str) -> str:
+    """A page listing the API's operations, with no script or style from elsewhere: the API docs
+    where the bundled Swagger UI assets are not installed."""
+    rows = []
+    for path, methods in schema.get("paths", {}).items():
+        for method, operation in methods.items():
+            summary = operation.get("summary") or operation.get("description", "").split("\n", 1)[0]
+            rows.append(f"<tr><td><code>{html.escape(method.upper())}</code></td>"
+                        f"<td><code>{html.escape(path)}</code></td><td>{html.escape(summary)}</td></tr>")
+    return (
+        f"<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>stopcock API</title></head>"
+        f"<body><h1>stopcock {html.escape(str(schema.get('info', {}).get('version', '')))} API</h1>"
+        f"<p>The whole schema: <a href=\"{html.escape(openapi_url)}\">{html.escape(openapi_url)}</a>."
+        " For the interactive docs, install the server extra: <code>pip install 'stopcock[server]'</code>"
+        " (fastapi-offline ships Swagger UI's files).</p>"
+        f"<table><tr><th>method</th><th>path</th><th>what it does</th></tr>{''.join(rows)}</table>"
+        "</body></html>"
+    )
+
+
+def _install_docs(app: FastAPI) -> None:
+    """The API docs at ``/docs`` (Swagger UI) and ``/redoc``, served with no CDN: the scripts, styles
+    and icon that FastAPI's own pages load from a CDN come from the files fastapi-offline ships. Without
+    that package, ``/docs`` is a plain list of the operations."""
+    bundled = find_spec("fastapi_offline") is not None
+    if bundled:
+        assets = resources.files("fastapi_offline").joinpath("static")
+        app.mount(DOCS_ASSETS, StaticFiles(directory=str(assets)), name="docs-assets")
+
+    def urls(request: Request) -> tuple[str, str]:
+        root = str(request.scope.get("root_path", "")).rstrip("/")
+        return root + DOCS_ASSETS, root + str(app.openapi_url)
+
+    @app.get("/docs", response_class=HTMLResponse, include_in_schema=False)
+    async def swagger_ui(request: Request) -> HTMLResponse:
+        at, openapi_url = urls(request)
+        if not bundled:
+            return HTMLResponse(_operations_page(app.openapi(), openapi_url))
+        return get_swagger_ui_html(
+            openapi_url=openapi_url, title=f"{app.title} API", swagger_js_url=f"{at}/swagger-ui-bundle.js",
+            swagger_css_url=f"{at}/swagger-ui.css", swagger_favicon_url=f"{at}/favicon.png",
+        )
+
+    @app.get("/redoc", response_class=HTMLResponse, include_in_schema=False)
+    async def redoc(request: Request) -> HTMLResponse:
+        at, openapi_url = urls(request)
+        if not bundled:
+            return HTMLResponse(_operations_page(app.openapi(), openapi_url))
+        return get_redoc_html(openapi_url=openapi_url, title=f"{app.title} API",
+                              redoc_js_url=f"{at}/redoc.standalone.js", redoc_favicon_url=f"{at}/favicon.png",
+                              with_google_fonts=False)
+
+
 def create_app(engine: Engine, *, api_keys: Iterable[str] = ()) -> FastAPI:
-    """The app over ``engine``; with ``api_keys``, every API call needs one of them."""
+    """The app over ``engine``; with ``api_keys``, every API call needs one of them. The API docs
+    (``/docs``, ``/redoc``) load nothing from another host, so they work offline."""
     app = FastAPI(
         title="stopcock",
         version=__version__,
         description="Start generations, stop your own, and watch them: a job API, an OpenAI-compatible API"
         " and a web page.",
+        docs_url=None,  # served by _install_docs, from bundled assets
+        redoc_url=None,
     )
+    _install_docs(app)
     app.state.engine = engine
     app.state.keys = Keys(api_keys)
     app.include_router(jobs)

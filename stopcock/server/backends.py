@@ -27,14 +27,15 @@ from ..errors import UserError
 from ..events import RowDecoder
 from ..files import png_base64
 from ..items import run_each
-from ..loading import load_image_pipeline, load_text_model, resolve_model
+from ..loading import load_image_pipeline, load_text_model, resolve_model, without_noise
 from ..outcome import Outcome
-from ..previews import decode_preview, latent_preview, previewable
+from ..previews import decode_preview, estimate_preview
 from ..resume import resume
 from ..runner import run
 from ..signal import StopSignal
 from ..state import StepState
 from ..tiny.demo import DESCRIPTIONS
+from .batching import run_batch
 from .contract import HELD_STATES, Backend, InvalidJob, JobSpec, RunContext
 from .schemas import MIN_SAMPLING_TEMPERATURE, ImageParameters
 
@@ -217,6 +218,11 @@ class TextLane:
 
         return each_item(spec, ctx, self.backend.prompts(spec), one)
 
+    def execute_batch(self, jobs: list[Any], on_end: Callable[[Any, Any], None], step_delay: float) -> None:
+        """Run greedy text jobs as the rows of one ``generate`` (see :mod:`stopcock.server.batching`)."""
+        prompts = [self.backend.prompt(job.spec) for job in jobs]
+        run_batch(self.pipe.model, self.pipe.tokenizer, jobs, prompts, on_end, step_delay)
+
 
 # job parameter -> the diffusers pipeline argument
 _PIPELINE_ARGS = {
@@ -274,7 +280,8 @@ class ImageBackend:
         return light
 
     def lane(self) -> ImageLane:
-        pipe = type(self.pipe)(**lane_components(self.pipe.components))
+        with without_noise((type(self.pipe).__module__,)):  # its __init__'s notices were the load's
+            pipe = type(self.pipe)(**lane_components(self.pipe.components))
         pipe.set_progress_bar_config(disable=True)
         return ImageLane(self, pipe)
 
@@ -288,12 +295,14 @@ class ImageLane:
         params = spec.params
         seed = params["seed"] if params.get("seed") is not None else 0
         generator = torch.Generator()
-        xl = "XL" in type(self.pipe).__name__
         preview = params["previews"] and getattr(self.pipe, "vae", None) is not None
 
-        def report(state: StepState) -> None:
-            if preview and previewable(state.latents):
-                ctx.preview(latent_preview(state.latents, xl=xl), state.step)
+        def report(state: StepState) -> None:  # the preview: the step's estimate of the clean image
+            if not preview:
+                return
+            image = estimate_preview(self.pipe, state.latents, state.extra.get("denoised"))
+            if image is not None:
+                ctx.preview(image, state.step)
 
         def one(prompt: str, checkpoint: Any) -> tuple[Outcome, dict[str, Any]]:
             options = {"stop": ctx.stop(from_options(spec.stop)), "on_step": ctx.on_step(report),

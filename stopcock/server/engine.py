@@ -22,11 +22,13 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
+from .._wake import loop_waker
 from ..signal import StopSignal
 from . import jobs as _jobs
+from .batching import Batching
 from .contract import (
     FINAL_STATES,
     HELD_STATES,
@@ -59,7 +61,7 @@ class LocalEngine:
     with the job still ``stopping``. Jobs run in finish mode; ``stop_grace`` is how long a stop
     waits for a step to end before it escalates to abort (a slow step never holds a stop: see
     ``escalate_after=`` of :func:`stopcock.run`; None: never). ``step_delay`` is the test-only
-    per-step throttle.
+    per-step throttle; ``batch_size`` and ``batch_wait``: :class:`~stopcock.server.batching.Batching`.
     """
 
     def __init__(
@@ -72,6 +74,8 @@ class LocalEngine:
         stop_wait: float = 30.0,
         stop_grace: float | None = 5.0,
         step_delay: float = 0.0,
+        batch_size: int = 1,
+        batch_wait: float = 0.0,
     ) -> None:
         if concurrency < 1 or queue_size < 0 or retain < 1:
             raise ValueError("concurrency and retain must be >= 1 and queue_size >= 0")
@@ -94,6 +98,9 @@ class LocalEngine:
         self._active: set[_Job] = set()  # the jobs the workers run
         self._finished: collections.deque[str] = collections.deque()
         self._running = 0
+        self._busy = 0  # workers running a job or a batch
+        self.batch = Batching(batch_size, batch_wait)
+        self._ends = _Ends()
         self._closing = False
         self._workers = [
             threading.Thread(
@@ -156,7 +163,7 @@ class LocalEngine:
         if dequeued:
             self._finish_held(job, reason)
         elif wait:
-            await self._wait_final(job, self.stop_wait)
+            await self._ends.wait(job, self.stop_wait)
         return job.view()
 
     async def skip(self, job_id: str, owner: str) -> JobView:
@@ -177,6 +184,7 @@ class LocalEngine:
         with self._lock:
             if job.state in FINAL_STATES or job.state == "stopping":
                 raise JobStateConflict(f"job {job_id} is {job.state}: only a queued or running job can pause")
+            self.batch.refuse_pause(job)
             job.pause_wanted = True
             if job in self._queue:
                 self._queue.remove(job)
@@ -205,7 +213,7 @@ class LocalEngine:
     async def wait(self, job_id: str, owner: str, timeout: float | None = None) -> JobView:
         """The job's view once it has ended (or after ``timeout`` seconds)."""
         job = self._find(job_id, owner)
-        await self._wait_final(job, timeout)
+        await self._ends.wait(job, timeout)
         return job.view()
 
     async def events(self, job_id: str, owner: str, after: int = 0) -> AsyncIterator[JobEvent]:
@@ -228,6 +236,7 @@ class LocalEngine:
                 "running": self._running,
                 "jobs": len(self._jobs),
                 "workers_alive": sum(w.is_alive() for w in self._workers),
+                **self.batch.counts(),
             }
 
     async def aclose(self) -> None:
@@ -256,9 +265,6 @@ class LocalEngine:
             raise JobNotFound(f"no job {job_id!r} (unknown, expired, or created with another key)")
         return job
 
-    async def _wait_final(self, job: _Job, timeout: float | None) -> None:
-        await _jobs.wait_final(job, timeout)
-
     def _key(self, job: _Job) -> tuple[int, int]:
         """Queue order: higher priority first, then submission order."""
         return (-job.spec.priority, self._order[job.id])
@@ -266,7 +272,7 @@ class LocalEngine:
     def _enqueue(self, job: _Job) -> int:
         """Queue ``job`` in priority order (under ``_lock``), preempting for it if it has to; its position."""
         bisect.insort(self._queue, job, key=self._key)
-        self._lock.notify()
+        self._lock.notify_all()  # a worker gathering a batch waits for it too
         self._preempt()
         return self._queue.index(job) + 1
 
@@ -274,11 +280,10 @@ class LocalEngine:
         """Under ``_lock``: for each queued job that no free (or freeing) worker will take, preempt the
         lowest-priority running job below its priority, the most recently started first."""
         freeing = sum(job.interrupt.stopped for job in self._active)
-        free = len(self._workers) - self._running + freeing
+        free = len(self._workers) - self._busy + freeing
         for waiting in self._queue[max(free, 0) :]:
-            victims = [
-                j for j in self._active if not j.interrupt.stopped and j.spec.priority < waiting.spec.priority
-            ]
+            victims = [j for j in self._active - self.batch.rows  # a row keeps no checkpoint
+                       if not j.interrupt.stopped and j.spec.priority < waiting.spec.priority]
             if not victims:
                 return
             victim = min(victims, key=lambda j: (j.spec.priority, -(j.started or 0.0)))
@@ -297,48 +302,42 @@ class LocalEngine:
     def _work(self, lanes: Mapping[str, Lane]) -> None:
         while True:
             with self._lock:
-                while not self._queue and not self._closing:
-                    self._lock.wait()
-                if self._closing and not self._queue:
+                taken = self.batch.take(self._queue, self._lock, lambda: self._closing, lanes)
+                if taken is None:
                     return
-                job = self._queue.pop(0)
-                self._running += 1
-                self._active.add(job)
-                with job.lock:
-                    job.state = "stopping" if job.signal.stopped else "running"
-                    job.started = job.started or time.time()
-                    job.interrupt = StopSignal()
-            ended: _jobs.Ended | None = None
+                self._running, self._busy = self._running + len(taken), self._busy + 1
+                self._active.update(map(_started, taken))
+            ended, lane, batched = _jobs.INTERRUPTED, lanes[taken[0].spec.kind], taken[0] in self.batch.rows
             try:
-                ended = self._run(job, lanes[job.spec.kind])
+                if batched:  # each job ends as soon as its row does
+                    self.batch.run(taken, lane, self._end, self.step_delay)
+                else:
+                    ended = _jobs.run_lane(taken[0], lane, self.step_delay, self.stop_grace)
             finally:  # the slot is free once the run has returned; then the job's end is told
-                state, reason, summary, error = ended or _jobs.INTERRUPTED
                 with self._lock:
-                    self._running -= 1
-                    self._active.discard(job)
-                    held = state in HELD_STATES and not job.signal.stopped and not self._closing
-                    if held:
-                        self._hold(job, PAUSED if job.pause_wanted else state)
-                if not held and state in HELD_STATES:  # stopped (or shut down) while being held
-                    self._finish_held(job, job.signal.reason or "shutdown")
-                elif not held:
-                    self._finish(job, state, reason, outcome=summary, error=error)
+                    self._busy -= 1
+                if not batched:
+                    self._end(taken[0], ended)
 
-    def _run(self, job: _Job, lane: Lane) -> _jobs.Ended:
-        """Run the job (or resume it); returns its final or held state, reason, Outcome summary and error."""
-        return _jobs.run_lane(job, lane, self.step_delay, self.stop_grace)
+    def _end(self, job: _Job, ended: _jobs.Ended) -> None:
+        """The job's run has returned: free its slot, then hold the job or tell its end."""
+        state, reason, summary, error = ended
+        with self._lock:
+            self._running -= 1
+            self._active.discard(job)
+            self.batch.rows.discard(job)
+            held = state in HELD_STATES and not job.signal.stopped and not self._closing
+            if held:
+                self._hold(job, PAUSED if job.pause_wanted else state)
+        if not held and state in HELD_STATES:  # stopped (or shut down) while being held
+            self._finish_held(job, job.signal.reason or "shutdown")
+        elif not held:
+            self._finish(job, state, reason, outcome=summary, error=error)
 
     def _finish_held(self, job: _Job, reason: str) -> None:
-        """End a job that is not running (queued, paused, preempted) as stopped for ``reason``: with
-        the Outcome and result of its last run, if it had one."""
-        with job.lock:
-            state, summary = job.state, job.outcome
-        if summary is None:
-            self._finish(job, "stopped", reason, outcome=None, detail="stopped while queued: it never ran")
-            return
-        detail = f"stopped while {state}, at step {summary['steps']}"
-        summary = {**summary, "stopped": True, "reason": reason, "detail": detail}
-        self._finish(job, "stopped", reason, outcome=summary)
+        """End a job that is not running (queued, paused, preempted) as stopped for ``reason``."""
+        self._finish(job, "stopped", reason, outcome=_held_summary(job, reason),
+                     detail="stopped while queued: it never ran")
 
     def _finish(
         self,
@@ -351,9 +350,65 @@ class LocalEngine:
         error: str | None = None,
     ) -> None:
         _jobs.finish(job, state, reason, outcome=outcome, detail=detail, error=error)
+        self._ends.tell(job)
         with self._lock:
             self._finished.append(job.id)
             while len(self._finished) > self.retain:
                 forgotten = self._finished.popleft()
                 self._jobs.pop(forgotten, None)
                 self._order.pop(forgotten, None)
+
+
+class _Ends:
+    """Waits for jobs to end, woken once at the end and not at each event as a wait on the job's
+    changes is: a batch of rows makes two events per row and token, and each wake-up of a waiting
+    request takes the event loop (and the interpreter) from the batch."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._wakers: dict[str, list[Callable[[], None]]] = {}
+
+    async def wait(self, job: _Job, timeout: float | None) -> None:
+        """Return once ``job`` is in a final state (or after ``timeout`` seconds)."""
+        future, wake = loop_waker()
+        with self._lock:  # the state is final before tell() takes the lock: no end is missed
+            if job.state in FINAL_STATES:
+                return
+            self._wakers.setdefault(job.id, []).append(wake)
+        try:
+            await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            with self._lock:
+                waiting = self._wakers.get(job.id, [])
+                if wake in waiting:
+                    waiting.remove(wake)
+                if not waiting:
+                    self._wakers.pop(job.id, None)
+
+    def tell(self, job: _Job) -> None:
+        """``job`` has ended: wake whoever waits for it."""
+        with self._lock:
+            wakers = self._wakers.pop(job.id, [])
+        for wake in wakers:
+            wake()
+
+
+def _started(job: _Job) -> _Job:
+    """Mark a job the engine takes from its queue as running (or stopping, if stopped meanwhile)."""
+    with job.lock:
+        job.state = "stopping" if job.signal.stopped else "running"
+        job.started = job.started or time.time()
+        job.interrupt = StopSignal()
+    return job
+
+
+def _held_summary(job: _Job, reason: str) -> dict[str, Any] | None:
+    """The Outcome summary of a held job stopped for ``reason``: its last run's (None if it never ran)."""
+    with job.lock:
+        state, summary = job.state, job.outcome
+    if summary is None:
+        return None
+    detail = f"stopped while {state}, at step {summary['steps']}"
+    return {**summary, "stopped": True, "reason": reason, "detail": detail}

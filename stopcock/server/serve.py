@@ -70,6 +70,21 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="a stop waits this long for the running step to end, then aborts it at the next module"
         " call, keeping the last finished step's result (default: %(default)s)",
     )
+    parser.add_argument(
+        "--threads", type=_positive, metavar="N",
+        help="torch threads (default: 1 when serving the built-in demo models, which are tiny: more threads"
+        " only add synchronisation; torch's default for models you pass). The local engine only: a Ray"
+        " replica runs on 1",
+    )
+    parser.add_argument(
+        "--batch-size", type=_positive, default=16, metavar="N",
+        help="greedy text jobs queued together run as the rows of one generate, up to N (1: one at a"
+        " time; default: %(default)s)",
+    )
+    parser.add_argument(
+        "--batch-wait-ms", type=_seconds, default=10.0, metavar="MS",
+        help="how long a batch waits for more jobs to arrive before it starts (default: %(default)s)",
+    )
     ray = parser.add_argument_group("scale-out on Ray Serve (pip install 'stopcock[ray]')")
     ray.add_argument(
         "--engine", choices=("local", "ray"), default="local",
@@ -158,7 +173,17 @@ def _load(args: argparse.Namespace, keys: list[str]) -> dict[str, Any]:
     from .backends import load_backends
 
     _check(args, keys)
-    return load_backends(args.text_model, args.image_model)
+    backends = load_backends(args.text_model, args.image_model)
+    threads = getattr(args, "threads", None)
+    if threads is None and args.text_model is None and args.image_model is None:
+        from ..loading import DEMO_THREADS
+
+        threads = DEMO_THREADS  # the demo models, as `stopcock demo` runs them
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    return backends
 
 
 def _check(args: argparse.Namespace, keys: list[str]) -> None:
@@ -184,6 +209,8 @@ def _run(args: argparse.Namespace, keys: list[str], backends: dict[str, Any], so
         queue_size=args.queue_size,
         stop_grace=args.stop_grace,
         step_delay=_step_delay(),
+        batch_size=args.batch_size,
+        batch_wait=args.batch_wait_ms / 1000,
     )
 
     class Server(uvicorn.Server):
