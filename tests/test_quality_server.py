@@ -85,3 +85,34 @@ def test_cli_flags():
     assert (report["reason"], report["text"], report["exit_code"]) == ("timeout", " better than ugly.", 3)
     bad = subprocess.run([*run, "--grace", "line"], capture_output=True, text=True, timeout=100)
     assert bad.returncode == 2 and "--grace applies to a timeout" in bad.stderr
+
+
+@pytest.mark.timeout(300)
+def test_batched_rows_end_as_a_run_alone_does(one_torch_thread):
+    """Repetition and grace in a batch: each row ends where the job run alone ends."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from stopcock.server.backends import load_backends
+
+    backend = load_backends(None, None)["text"]  # the demo text model: it loops from "Beautiful is"
+    bodies = [
+        {"kind": "text", "prompt": "Beautiful is", "parameters": {"max_tokens": 300, "temperature": 0},
+         "stop": {"repetition": True}},
+        {"kind": "text", "prompt": "Errors should", "parameters": {"max_tokens": 300, "temperature": 0},
+         "stop": {"timeout": 0.001, "grace": "line", "grace_max": 600}},
+    ]
+
+    def results(**options):
+        with serving({"text": backend}, **options) as (url, _), httpx.Client(base_url=url, timeout=120) as c:
+            with ThreadPoolExecutor(2) as pool:
+                ids = list(pool.map(lambda body: c.post("/v1/jobs", json=body).json()["id"], bodies))
+            found = [c.get(f"/v1/jobs/{i}/result", params={"wait": "true"}).json() for i in ids]
+            health = c.get("/v1/health").json()
+        return [(r["result"]["text"], r["job"]["outcome"]["reason"]) for r in found], health
+
+    alone, _ = results(batch_size=1)
+    batched, health = results(batch_size=2, batch_wait=30.0)
+    assert [reason for _, reason in alone] == ["repetition", "timeout"]
+    assert alone[1][0].endswith("\n") and "\n" not in alone[1][0][:-1]
+    assert batched == alone
+    assert (health["batches_run"], health["batched_jobs"]) == (1, 2)  # the two ran as one batch
