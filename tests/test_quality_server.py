@@ -116,3 +116,37 @@ def test_batched_rows_end_as_a_run_alone_does(one_torch_thread):
     assert alone[1][0].endswith("\n") and "\n" not in alone[1][0][:-1]
     assert batched == alone
     assert (health["batches_run"], health["batched_jobs"]) == (1, 2)  # the two ran as one batch
+
+
+@pytest.mark.timeout(240)
+def test_the_page_sends_repetition_and_grace():
+    from browser import chromium  # tests/ is on sys.path under pytest
+
+    from stopcock.server.backends import load_backends
+
+    with (
+        serving(load_backends(None, None), concurrency=1, queue_size=2) as (url, _),
+        chromium() as browser,
+    ):
+        page = browser.new_page()
+        page.set_default_timeout(60_000)
+        page.goto(url)
+        page.locator("#models[data-state=known]").wait_for()
+        page.fill("#prompt", "Beautiful is")
+        page.fill("#max-tokens", "300")
+        page.check("#repetition")
+        page.click("#generate")
+        page.locator("#status[data-state=stopped]").wait_for()
+        assert page.get_attribute("#status", "data-reason") == "repetition"
+        assert page.inner_text("#output").endswith("In the facticality.\nIn the factical")
+        page.uncheck("#repetition")
+        page.fill("#time-limit", "0.001")
+        page.select_option("#grace", "line")
+        before = page.get_attribute("#status", "data-job")
+        page.click("#generate")
+        page.wait_for_function("""(before) => {
+            const status = document.getElementById('status');
+            return status.dataset.job !== before && status.dataset.state === 'stopped';
+        }""", arg=before)
+        assert page.get_attribute("#status", "data-reason") == "timeout"
+        assert page.inner_text("#output") == " better than ugly.\n"  # the first line, whole
