@@ -58,7 +58,7 @@ EXIT_CODES = {
     EXIT_COMPLETED: "completed (no stop took effect)",
     EXIT_ERROR: "error (e.g. a model that cannot be loaded)",
     EXIT_USAGE: "bad arguments (also --steps more than the model's scheduler can plan)",
-    EXIT_STOPPED: "stopped by a condition (--timeout, --stop, --max-steps, --stop-at-step)",
+    EXIT_STOPPED: "stopped by a condition (--timeout, --stop, --repetition, --max-steps, --stop-at-step)",
     EXIT_INTERRUPTED: "interrupted by Ctrl+C (once: graceful, twice: aborted)",
 }
 
