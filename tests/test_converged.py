@@ -85,3 +85,28 @@ def test_where_there_is_no_x0_it_is_refused(text_model, digits):
         stopcock.run(text_model, torch.tensor([[1, 2]]), max_new_tokens=2, stop=stopcock.converged())
     with pytest.raises(ValueError, match="attach"):
         stopcock.step_callback(stopcock.converged())
+
+
+@pytest.mark.timeout(120)
+def test_attach_and_abort_mode_keep_x0_too(digits):
+    def call():
+        generator = torch.Generator().manual_seed(0)
+        return digits("3", num_inference_steps=STEPS, generator=generator, output_type="latent")
+
+    alone = stopcock.run(
+        digits, "3", num_inference_steps=STEPS, generator=torch.Generator().manual_seed(0),
+        output_type="latent", stop=stopcock.converged(tol=0.05),
+    )
+    with stopcock.attach(digits, stopcock.converged(tol=0.05)) as handle:
+        attached = call()
+    assert (handle.outcome.reason, handle.outcome.partial, handle.outcome.steps) == (
+        "converged", "denoised", alone.steps
+    )
+    assert torch.equal(attached.images, alone.output.images)
+    aborted = stopcock.run(
+        digits, "3", num_inference_steps=STEPS, generator=torch.Generator().manual_seed(0),
+        output_type="latent", stop=stopcock.converged(tol=0.05), mode="abort",
+    )
+    assert (aborted.reason, aborted.partial, aborted.steps) == ("converged", "denoised", alone.steps)
+    # abandoned inside the pipeline: no output, the x0 estimate kept aside
+    assert aborted.output is None and torch.equal(aborted.latents, alone.output.images)
