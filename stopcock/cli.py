@@ -58,7 +58,7 @@ EXIT_CODES = {
     EXIT_COMPLETED: "completed (no stop took effect)",
     EXIT_ERROR: "error (e.g. a model that cannot be loaded)",
     EXIT_USAGE: "bad arguments (also --steps more than the model's scheduler can plan)",
-    EXIT_STOPPED: "stopped by a condition (--timeout, --stop, --max-steps, --stop-at-step)",
+    EXIT_STOPPED: "stopped by a condition (--timeout, --stop, --repetition, --max-steps, --stop-at-step)",
     EXIT_INTERRUPTED: "interrupted by Ctrl+C (once: graceful, twice: aborted)",
 }
 
@@ -205,11 +205,21 @@ def _threads_field() -> dict[str, int]:
 
 
 def _conditions(args: argparse.Namespace) -> list[Condition]:
+    try:
+        return _from_flags(args)
+    except ValueError as exc:  # e.g. --grace without --timeout: the message names the fix
+        raise UsageError(str(exc).replace("grace_max", "--grace-max").replace("grace ", "--grace ")) from None
+
+
+def _from_flags(args: argparse.Namespace) -> list[Condition]:
     steps = getattr(args, "max_steps", None)
     return from_options({
         "timeout": args.timeout,
         "stop_strings": getattr(args, "stop", None),
         "max_steps": getattr(args, "stop_at_step", None) if steps is None else steps,
+        "repetition": getattr(args, "repetition", None),
+        "grace": getattr(args, "grace", None),
+        "grace_max": getattr(args, "grace_max", None),
     })
 
 
@@ -455,6 +465,14 @@ def _stop_string(text: str) -> str:
     return text
 
 
+def _repetition(text: str) -> dict[str, int]:
+    try:
+        ngram, repeats, window = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NGRAM,REPEATS,WINDOW (e.g. 4,3,64)") from None
+    return {"ngram": ngram, "repeats": repeats, "window": window}
+
+
 def _add_common(p: argparse.ArgumentParser, model_kind: str) -> None:
     p.add_argument("--model", metavar="PATH_OR_ID",
                    help=f"a local folder or a hub id (default: the built-in demo {model_kind} model)")
@@ -497,6 +515,13 @@ def build_parser() -> argparse.ArgumentParser:
     text.add_argument("--stop", nargs="+", type=_stop_string, metavar="STR",
                       help="stop when the text contains one of these")
     text.add_argument("--max-steps", type=_STEP, metavar="N", help="stop after N tokens")
+    text.add_argument("--repetition", nargs="?", const=True, type=_repetition, metavar="NGRAM,REPEATS,WINDOW",
+                      help="end the text when it loops: its last NGRAM tokens seen REPEATS times in its last"
+                           " WINDOW tokens (default 4,3,64)")
+    text.add_argument("--grace", choices=("sentence", "line"),
+                      help="once --timeout is up, end the text at its next sentence or line boundary")
+    text.add_argument("--grace-max", type=_SECONDS, metavar="S",
+                      help="with --grace: stop S seconds after the timeout at the latest (default 10)")
     text.set_defaults(func=cmd_text)
 
     image = sub.add_parser("image", help="generate an image, saved as PNG with the Outcome in its metadata",

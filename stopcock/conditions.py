@@ -25,17 +25,25 @@ __all__ = [
     "Deadline",
     "MaxSteps",
     "StopStrings",
+    "Repetition",
+    "SoftTimeout",
+    "SoftDeadline",
+    "Converged",
     "When",
     "timeout",
     "deadline",
     "max_steps",
     "stop_strings",
+    "repetition",
+    "converged",
     "when",
     "StopLike",
     "as_condition",
     "from_options",
     "refuse_row_conditions",
+    "row_conditions_of",
     "stop_strings_of",
+    "at_boundary",
     "top_level",
 ]
 
@@ -176,6 +184,91 @@ class Deadline(Condition):
         return f"deadline({self.when!r})"
 
 
+#: What a soft deadline's ``grace=`` may be: the boundary a row ends at once the time is up.
+GRACES = ("sentence", "line")
+#: Characters that end a sentence, and those that may follow its end (closing quotes and brackets).
+_SENTENCE_ENDS = ".!?\u2026\u3002\uff01\uff1f"
+_CLOSERS = "\"')]}\u201d\u2019\u00bb"
+
+
+def at_boundary(text: str, grace: str) -> bool:
+    """Whether ``text`` ends at a ``grace`` boundary: a line (``"line"``: it ends with a newline) or
+    a sentence (``"sentence"``: a newline, or ``.``, ``!``, ``?`` perhaps followed by closing quotes,
+    brackets or spaces)."""
+    if grace == "line":
+        return text.endswith("\n")
+    stripped = text.rstrip(" \t")
+    if stripped.endswith("\n"):
+        return True
+    stripped = stripped.rstrip(_CLOSERS)
+    return bool(stripped) and stripped[-1] in _SENTENCE_ENDS
+
+
+def _grace_of(grace: object, grace_max: object, what: str) -> tuple[str, float]:
+    if grace not in GRACES:
+        raise ValueError(f"{what}(grace=...) takes one of {list(GRACES)}, got {grace!r}")
+    if isinstance(grace_max, bool) or not isinstance(grace_max, (int, float)):
+        raise TypeError(f"{what}(grace_max=...) takes seconds (a number >= 0), got {grace_max!r}")
+    limit = float(grace_max)
+    if not limit >= 0 or math.isinf(limit):
+        raise ValueError(f"{what}(grace_max=...) needs a finite number of seconds >= 0, got {grace_max!r}")
+    return str(grace), limit
+
+
+class SoftTimeout(Timeout):
+    """A timeout with grace: once ``seconds`` have passed, each text row ends at its next ``grace``
+    boundary (:func:`at_boundary` on its decoded text) with reason ``"timeout"``; ``grace_max``
+    seconds later the run stops whatever the rows say (the hard limit).
+
+    A row condition (applied per row by the transformers adapter, which decodes each row with the
+    tokenizer); :meth:`check` is the hard limit, checked at step boundaries.
+    """
+
+    per_row = True
+    fires_in_forward = False
+
+    def __init__(self, seconds: float, grace: str = "sentence", grace_max: float = 10.0) -> None:
+        super().__init__(seconds)
+        self.grace, self.grace_max = _grace_of(grace, grace_max, "timeout")
+
+    def due(self, elapsed: float) -> bool:
+        """Whether the time is up (the grace has begun), ``elapsed`` seconds into the run."""
+        return elapsed >= self.seconds
+
+    def check(self, state: StepState) -> str | None:
+        if state.block:
+            return None
+        return self.reason if state.elapsed >= self.seconds + self.grace_max else None
+
+    def __repr__(self) -> str:
+        return f"timeout({self.seconds:g}, grace={self.grace!r}, grace_max={self.grace_max:g})"
+
+
+class SoftDeadline(Deadline):
+    """A deadline with grace: once the wall-clock time ``when`` has come, each text row ends at its
+    next ``grace`` boundary with reason ``"deadline"``; ``grace_max`` seconds later the run stops
+    whatever the rows say (the hard limit). A row condition, as :class:`SoftTimeout` is."""
+
+    per_row = True
+    fires_in_forward = False
+
+    def __init__(self, when: float | _dt.datetime, grace: str = "sentence", grace_max: float = 10.0) -> None:
+        super().__init__(when)
+        self.grace, self.grace_max = _grace_of(grace, grace_max, "deadline")
+
+    def due(self, elapsed: float) -> bool:
+        """Whether the time is up (the grace has begun); ``elapsed`` is unused (wall-clock time)."""
+        return time.time() >= self.when
+
+    def check(self, state: StepState) -> str | None:
+        if state.block:
+            return None
+        return self.reason if time.time() >= self.when + self.grace_max else None
+
+    def __repr__(self) -> str:
+        return f"deadline({self.when!r}, grace={self.grace!r}, grace_max={self.grace_max:g})"
+
+
 class MaxSteps(Condition):
     """Stops once ``n`` steps are done (tokens generated, denoising steps, items)."""
 
@@ -218,6 +311,77 @@ class StopStrings(Condition):
         return f"stop_strings({self.strings!r})"
 
 
+class Repetition(Condition):
+    """Stops a text row once it loops: the ``ngram`` tokens it ends with have occurred ``repeats``
+    times within its last ``window`` generated tokens (the newest occurrence included).
+
+    Applied per row by the transformers adapter, with reason ``"repetition"``; a loop whose period
+    is longer than ``window / repeats`` tokens is not caught. :meth:`loops` is the rule on one row.
+    """
+
+    reason = "repetition"
+    per_row = True
+    fires_in_forward = False  # it never fires from check(): abort mode needs no in-forward checks for it
+
+    def __init__(self, ngram: int = 4, repeats: int = 3, window: int = 64) -> None:
+        for name, value, least in (("ngram", ngram, 1), ("repeats", repeats, 2), ("window", window, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"repetition({name}=...) needs an int >= {least}, got {value!r}")
+        if window < ngram * repeats:
+            raise ValueError(
+                f"repetition(window={window}) cannot hold {repeats} repeats of a {ngram}-token n-gram:"
+                f" use window >= ngram * repeats ({ngram * repeats})"
+            )
+        self.ngram, self.repeats, self.window = ngram, repeats, window
+
+    def loops(self, generated: Sequence[int]) -> bool:
+        """Whether a row whose generated tokens are ``generated`` loops by this rule."""
+        n = self.ngram
+        tail = list(generated[-self.window :])
+        if len(tail) < n * self.repeats:
+            return False
+        last = tail[-n:]
+        count = sum(tail[i : i + n] == last for i in range(len(tail) - n + 1))
+        return count >= self.repeats
+
+    def check(self, state: StepState) -> str | None:
+        return None  # a row condition: applied per row by the adapter, see the class docstring
+
+    def __repr__(self) -> str:
+        return f"repetition(ngram={self.ngram}, repeats={self.repeats}, window={self.window})"
+
+
+class Converged(Condition):
+    """Stops a diffusion run once its estimate of the clean image (x0) stops changing: ``patience``
+    steps in a row each moved it by less than ``tol`` (relative RMS change, 0.02 = 2%).
+
+    The diffusers adapter reports the changes as ``state.extra["denoised_changes"]`` when a run's
+    condition holds this one, and keeps the x0 estimate as the result (``partial="denoised"`` unless
+    ``partial=`` says otherwise). A loop whose scheduler gives no x0 estimate never converges.
+    A shorter schedule often beats it: see the docs' quality-stops page.
+    """
+
+    reason = "converged"
+    fires_in_forward = False
+
+    def __init__(self, tol: float = 0.02, patience: int = 2) -> None:
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < math.inf:
+            raise ValueError(f"converged(tol=...) needs a relative change > 0 (e.g. 0.02), got {tol!r}")
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
+            raise ValueError(f"converged(patience=...) needs an int >= 1, got {patience!r}")
+        self.tol, self.patience = float(tol), patience
+
+    def check(self, state: StepState) -> str | None:
+        if state.block:
+            return None
+        changes = state.extra.get("denoised_changes") or ()
+        recent = changes[-self.patience :]
+        return self.reason if len(recent) == self.patience and max(recent) < self.tol else None
+
+    def __repr__(self) -> str:
+        return f"converged(tol={self.tol:g}, patience={self.patience})"
+
+
 class When(Condition):
     """Stops when ``predicate(state)`` is true; checked at step boundaries only."""
 
@@ -238,14 +402,21 @@ class When(Condition):
         return f"when({getattr(self.predicate, '__name__', self.predicate)!r}, reason={self.reason!r})"
 
 
-def timeout(seconds: float) -> Timeout:
-    """Stop ``seconds`` after the start of each run."""
-    return Timeout(seconds)
+def timeout(seconds: float, grace: str | None = None, grace_max: float = 10.0) -> Timeout:
+    """Stop ``seconds`` after the start of each run.
+
+    With ``grace="sentence"`` or ``"line"`` (text generation), each row ends at its next sentence or
+    line boundary once the time is up, and the run stops ``grace_max`` seconds later at the latest.
+    """
+    return Timeout(seconds) if grace is None else SoftTimeout(seconds, grace, grace_max)
 
 
-def deadline(when: float | _dt.datetime) -> Deadline:
-    """Stop at a wall-clock time: epoch seconds or an aware datetime."""
-    return Deadline(when)
+def deadline(when: float | _dt.datetime, grace: str | None = None, grace_max: float = 10.0) -> Deadline:
+    """Stop at a wall-clock time: epoch seconds or an aware datetime.
+
+    ``grace=`` and ``grace_max=`` as for :func:`timeout`: each text row ends at its next boundary.
+    """
+    return Deadline(when) if grace is None else SoftDeadline(when, grace, grace_max)
 
 
 def max_steps(n: int) -> MaxSteps:
@@ -256,6 +427,18 @@ def max_steps(n: int) -> MaxSteps:
 def stop_strings(strings: Sequence[str]) -> StopStrings:
     """Stop each text row once it has produced one of ``strings``."""
     return StopStrings(strings)
+
+
+def repetition(ngram: int = 4, repeats: int = 3, window: int = 64) -> Repetition:
+    """Stop each text row once it loops: its last ``ngram`` tokens seen ``repeats`` times within
+    its last ``window`` tokens (reason ``"repetition"``)."""
+    return Repetition(ngram, repeats, window)
+
+
+def converged(tol: float = 0.02, patience: int = 2) -> Converged:
+    """Stop a diffusion run once its x0 estimate moved by less than ``tol`` (relative) for
+    ``patience`` steps in a row, keeping that estimate (reason ``"converged"``)."""
+    return Converged(tol, patience)
 
 
 def when(predicate: Callable[[StepState], Any], reason: str = "condition") -> When:
@@ -282,6 +465,11 @@ def as_condition(stop: object) -> Condition:
     )
 
 
+def watches_x0(condition: Condition | None) -> bool:
+    """Whether ``condition`` holds a :class:`Converged`, which needs each step's x0 change."""
+    return condition is not None and any(isinstance(c, Converged) for c in condition.parts())
+
+
 def top_level(condition: Condition | None) -> tuple[Condition, ...]:
     """The parts any of which stops the run on its own: those of a top-level ``|``, or the condition."""
     if condition is None:
@@ -289,19 +477,27 @@ def top_level(condition: Condition | None) -> tuple[Condition, ...]:
     return condition.conditions if isinstance(condition, AnyOf) else (condition,)
 
 
-def stop_strings_of(condition: Condition | None) -> list[str]:
-    """The strings of the ``stop_strings`` conditions, which end rows at the top level only.
+def row_conditions_of(condition: Condition | None) -> list[Condition]:
+    """The row conditions (``stop_strings``, ``repetition``, a timeout with grace), which end rows
+    at the top level only.
 
     A row condition inside an ``&`` could not end its row on its own: a ValueError names the fix.
     """
-    found = [c for c in top_level(condition) if isinstance(c, StopStrings)]
+    found = [c for c in top_level(condition) if c.per_row]
     nested = sum(c.per_row for c in condition.parts()) if condition is not None else 0
     if nested > len(found):
         raise ValueError(
-            "stop_strings(...) ends each row on its own, so it cannot be part of an & (AllOf) condition;"
-            " combine it with | instead, e.g. stop=signal | stopcock.stop_strings([...])"
+            "stop_strings(...), repetition() and timeout/deadline(grace=...) end each row on their own,"
+            " so they cannot be part of an & (AllOf) condition; combine them with | instead,"
+            " e.g. stop=signal | stopcock.stop_strings([...])"
         )
-    return [s for c in found for s in c.strings]
+    return found
+
+
+def stop_strings_of(condition: Condition | None) -> list[str]:
+    """The strings of the ``stop_strings`` conditions, which end rows at the top level only
+    (a ValueError for one inside an ``&``: see :func:`row_conditions_of`)."""
+    return [s for c in row_conditions_of(condition) if isinstance(c, StopStrings) for s in c.strings]
 
 
 def refuse_row_conditions(
@@ -311,7 +507,22 @@ def refuse_row_conditions(
 ) -> None:
     """A ValueError if ``condition`` holds a row condition, which ``target`` cannot apply."""
     if condition is not None and any(c.per_row for c in condition.parts()):
-        raise ValueError(f"stop_strings() applies to text generation only, not to {target}; {fix}")
+        raise ValueError(
+            "stop_strings(), repetition() and timeout/deadline(grace=...) apply to text generation only,"
+            f" not to {target}; {fix}"
+        )
+
+
+def _repetition_option(value: Any) -> Repetition:
+    """``"repetition": true`` (the defaults) or ``{"ngram": 4, "repeats": 3, "window": 64}`` (any of them)."""
+    if value is True:
+        return Repetition()
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - {"ngram", "repeats", "window"})
+        if unknown:
+            raise ValueError(f"unknown repetition option(s) {unknown}; known: ['ngram', 'repeats', 'window']")
+        return Repetition(**value)
+    raise ValueError(f'repetition takes true or {{"ngram": 4, "repeats": 3, "window": 64}}, got {value!r}')
 
 
 #: The options of :func:`from_options`, each with the condition it builds.
@@ -320,13 +531,34 @@ OPTIONS: dict[str, Callable[[Any], Condition]] = {
     "deadline": Deadline,
     "max_steps": MaxSteps,
     "stop_strings": StopStrings,
+    "repetition": _repetition_option,
 }
+#: Options that change others: ``grace`` and ``grace_max`` make ``timeout`` and ``deadline`` soft.
+MODIFIERS = ("grace", "grace_max")
 
 
 def from_options(options: Mapping[str, Any]) -> list[Condition]:
     """The conditions named in an options mapping (a server job's ``stop``, the CLI's flags):
-    ``{"timeout": 5, "max_steps": 20, "stop_strings": ["\\n"]}``; None or empty values are skipped."""
-    unknown = sorted(set(options) - set(OPTIONS))
+    ``{"timeout": 5, "max_steps": 20, "stop_strings": ["\\n"], "repetition": true}``; None, False
+    or empty values are skipped. ``"grace": "sentence"`` (and ``"grace_max": seconds``) gives the
+    timeout and the deadline a grace (see :func:`timeout`)."""
+    unknown = sorted(set(options) - set(OPTIONS) - set(MODIFIERS))
     if unknown:
-        raise ValueError(f"unknown stop option(s) {unknown}; known: {sorted(OPTIONS)}")
-    return [OPTIONS[name](options[name]) for name in OPTIONS if options.get(name) not in (None, [], ())]
+        raise ValueError(f"unknown stop option(s) {unknown}; known: {sorted([*OPTIONS, *MODIFIERS])}")
+    given = {
+        name: options[name] for name in OPTIONS
+        if options.get(name) not in (None, [], ()) and options.get(name) is not False
+    }
+    grace, grace_max = options.get("grace"), options.get("grace_max")
+    if grace is None and grace_max is not None:
+        raise ValueError("grace_max applies to a timeout or deadline with grace: give grace too")
+    if grace is None:
+        return [OPTIONS[name](value) for name, value in given.items()]
+    if "timeout" not in given and "deadline" not in given:
+        raise ValueError("grace applies to a timeout or a deadline: give one of them too")
+    limit = 10.0 if grace_max is None else grace_max
+    soft: dict[str, Callable[[Any], Condition]] = {
+        "timeout": lambda value: SoftTimeout(value, grace, limit),
+        "deadline": lambda value: SoftDeadline(value, grace, limit),
+    }
+    return [soft.get(name, OPTIONS[name])(value) for name, value in given.items()]

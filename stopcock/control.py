@@ -459,12 +459,13 @@ def outcome_of(
     *,
     completed: str = "completed",
     rows_stopped_at: float | None = None,
+    rows_reason: str = "stop_string",
     **fields: Any,
 ) -> Outcome:
     """A closed run's Outcome; ``completed`` is the reason used when no stop took effect.
 
     ``rows_stopped_at`` is when the last row ended by a row condition (a stop string), if any
-    did: with no other stop, the run is then ``stopped`` for ``"stop_string"``, its latency
+    did: with no other stop, the run is then ``stopped`` for ``rows_reason``, its latency
     measured from that moment. An escalated run reports ``mode="abort"`` and says so in ``detail``.
     """
     ended, token = control.ended, control.token
@@ -475,7 +476,7 @@ def outcome_of(
     if stopped and token.stopped_at is not None:
         latency = max(0.0, ended - max(token.stopped_at, control.started))
     if not stopped and rows_stopped_at is not None:
-        stopped, reason, latency = True, "stop_string", max(0.0, ended - rows_stopped_at)
+        stopped, reason, latency = True, rows_reason, max(0.0, ended - rows_stopped_at)
     fields.setdefault("mode", control.mode)
     if control.escalated is not None:
         fields["mode"] = "abort"

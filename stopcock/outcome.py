@@ -15,7 +15,8 @@ class Outcome:
     """How a run ended.
 
     ``reason`` is the stop reason when ``stopped`` (``"user"`` or the reason given to ``stop()``,
-    ``"timeout"``, ``"deadline"``, ``"max_steps"``, ``"stop_string"``, a ``when`` reason), and
+    ``"timeout"``, ``"deadline"``, ``"max_steps"``, ``"stop_string"``, ``"repetition"``,
+    ``"converged"``, a ``when`` reason), and
     otherwise how it completed (``"completed"``, ``"eos"``, ``"length"``). ``stopped`` is True only
     when the stop took effect, i.e. a check saw it before the run ended; a stop that arrives after
     the last check changes nothing. ``stop_latency`` is measured from the stop request (or from the

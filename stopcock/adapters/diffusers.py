@@ -49,7 +49,7 @@ from typing import Any
 from diffusers import DiffusionPipeline, ModularPipeline
 from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 
-from ..conditions import StopLike
+from ..conditions import StopLike, as_condition, watches_x0
 from ..control import RunControl
 from ..events import StreamEvents
 from ..intercept import subclass
@@ -264,6 +264,11 @@ def step_callback(
     call until the next call resets it. Only for pipelines that honour interrupt; others raise a
     TypeError at their first step (use :func:`attach` or ``stopcock.run`` for them).
     """
+    if watches_x0(as_condition(stop)):
+        raise ValueError(
+            "converged() watches the scheduler's x0 estimate, which a step callback does not see:"
+            " use stopcock.run(pipe, ..., stop=...) or stopcock.attach(pipe, stop)"
+        )
     if isinstance(callback, (PipelineCallback, MultiPipelineCallbacks)):
         theirs = callback.callbacks if isinstance(callback, MultiPipelineCallbacks) else [callback]
         return MultiPipelineCallbacks([*theirs, _StopperCallback(_StepStopper(stop, on_step))])

@@ -399,11 +399,15 @@ class KeptLatents:
     """The latents a stopped run keeps: the last step's (``partial="raw"``) or its x0 estimate
     (``"denoised"``). A step the fast path went past is kept as its arguments, read only if needed."""
 
-    def __init__(self, partial: Partial, notes: list[str]) -> None:
+    def __init__(self, partial: Partial, notes: list[str], *, track: bool = False) -> None:
         self.partial = partial
         self.notes = notes
         self.latents: Any = None
         self.denoised: Any = None
+        #: ``track``: each step's relative RMS change of the x0 estimate, for ``converged()``
+        self.track = track
+        self.changes: list[float] = []
+        self._fresh = True  # no x0 estimate of the current loop yet
         self.kind: str | None = None  # "raw" or "denoised": what ``latents`` holds at a stop
         self._last: tuple[StepWrapper, tuple[Any, ...], dict[str, Any], Any] | None = None
 
@@ -416,7 +420,26 @@ class KeptLatents:
         """A step seen in full: its latents and x0 estimate."""
         self._last = None
         self.latents = result[0]
+        previous = None if self._fresh else self.denoised
+        self._fresh = False
         self.denoised = denoised_estimate(scheduler, model_output, sample, result)
+        if self.track and previous is not None and self.denoised is not None:
+            scale = float(previous.float().pow(2).mean().sqrt())
+            change = float((self.denoised.float() - previous.float()).pow(2).mean().sqrt())
+            self.changes.append(change / scale if scale > 0 else math.inf)
+
+    def new_loop(self) -> None:
+        """A new denoising loop begins: its x0 changes start afresh."""
+        self._fresh = True
+        self.changes = []
+
+    def extra(self) -> dict[str, Any]:
+        """What a step's state carries of the x0 estimate (``StepState.extra``)."""
+        if self.denoised is None:
+            return {}
+        if self.track:
+            return {"denoised": self.denoised, "denoised_changes": tuple(self.changes)}
+        return {"denoised": self.denoised}
 
     def settle(self) -> None:
         """Read the step the fast path went past: the scheduler has not stepped since (an abort inside

@@ -26,7 +26,7 @@ import torch
 from diffusers import DiffusionPipeline
 
 from ..binding import unbind
-from ..conditions import refuse_row_conditions
+from ..conditions import refuse_row_conditions, watches_x0
 from ..control import Abort, RunControl
 from ..hooks import input_hooks
 from ..intercept import intercepted
@@ -192,7 +192,9 @@ class RunBinding:
         #: A combined pipeline's stages: its attributes that are pipelines.
         self.stages = {name: v for name, v in vars(pipe).items() if isinstance(v, DiffusionPipeline)}
         models = LoopModels([c for c in found.values() if isinstance(c, torch.nn.Module)])
-        self.run = PipelineRun(pipe, control, models, partial or "raw", stage or "next", one_call=one_call)
+        # converged() keeps the x0 estimate it watched, unless partial= says otherwise
+        default: Partial = "denoised" if watches_x0(control.condition) else "raw"
+        self.run = PipelineRun(pipe, control, models, partial or default, stage or "next", one_call=one_call)
         self.notes = self.run.notes
         self.stack = ExitStack()  # what the run installed
         self.denoiser = DenoiserSteps(self.run, self.stack)
@@ -267,7 +269,7 @@ class PipelineRun:
         self.counter = StepCounter()
         self.flag = InterruptFlag(pipe)
         self.forward = FastForward(models)
-        self.kept = KeptLatents(partial, self.notes)
+        self.kept = KeptLatents(partial, self.notes, track=watches_x0(control.condition))
         self.copies: list[weakref.ref[Any]] = []  # copies of the schedulers made during the run
         self.stage_output: Any = _NO_OUTPUT  # what the stopped stage returned (stage="current")
         self.aborted = False
@@ -389,6 +391,7 @@ class PipelineRun:
             if stopping:  # a new loop (a combined pipeline's decoder after its prior) ends the stopped stage
                 self._end_stopped_stage(type(self.stopped_in).__name__)
             counter.new_loop(wrapper, timestep, self.owner, self.control)
+            self.kept.new_loop()
         elif stopping:
             return self._as_stopped(scheduler, result, model_output, sample)  # the stop step's copies
         elif scheduler is not family and not self.forward.models.forwarded:
@@ -400,8 +403,7 @@ class PipelineRun:
             return result
         self.kept.read(scheduler, model_output, sample, result)
         denoised = self.kept.denoised
-        extra = {"denoised": denoised} if denoised is not None else {}
-        stops = self.control.step(latents=result[0], timestep=timestep, extra=extra)
+        stops = self.control.step(latents=result[0], timestep=timestep, extra=self.kept.extra())
         if not stops or self.phase is Phase.STAGE_OVER:  # after the stopped stage, later ones run in full
             self.forward.models.next_step()
             return result

@@ -131,6 +131,10 @@ def _decoder_only(model: Any) -> bool:
     return not flag
 
 
+#: the reasons a row condition gives a row (:class:`~.transformers_rows.RowEnds`)
+_ROW_REASONS = ("stop_string", "repetition", "timeout", "deadline")
+
+
 def _outcome(
     control: RunControl, criteria: _RunCriteria | None, output: Any, aborted: bool, **fields: Any
 ) -> Outcome:
@@ -140,12 +144,15 @@ def _outcome(
         completed = "eos"
     elif "length" in reasons:
         completed = "length"
+    # the first row condition that ended a row, in the order they are checked
+    by_rows = next((r for r in _ROW_REASONS if r in reasons), None)
     return control.outcome(
         output,
         completed=completed,
         row_reasons=reasons or None,
-        # the last call of the criterion is when the last row hit its stop string
-        rows_stopped_at=criteria.last_call_at if criteria is not None and "stop_string" in reasons else None,
+        # the last call of the criterion is when the last row met its row condition
+        rows_stopped_at=criteria.last_call_at if criteria is not None and by_rows is not None else None,
+        rows_reason=by_rows or "stop_string",
         **fields,
     )
 

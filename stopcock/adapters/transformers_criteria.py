@@ -22,11 +22,11 @@ from typing import Any
 import torch
 from transformers import GenerationMixin, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.configuration_utils import GenerationMode
-from transformers.generation.stopping_criteria import StopStringCriteria
 
 from ..binding import bound
-from ..conditions import StopLike, stop_strings_of
+from ..conditions import StopLike, row_conditions_of, watches_x0
 from ..control import RunControl
+from .transformers_rows import RowEnds, row_ends
 
 __all__ = ["stopping_criteria"]
 
@@ -40,7 +40,8 @@ _BUILDS_LIST = "_get_stopping_criteria" in inspect.unwrap(GenerationMixin.genera
 
 
 class _RunCriteria(StoppingCriteria):
-    """Reports each new token to the run and ends rows: all on a stop, one by one on stop strings.
+    """Reports each new token to the run and ends rows: all on a stop, one by one on row conditions
+    (stop strings, repetition, soft deadlines: ``strings``, a :class:`RowEnds`).
 
     ``rows_per_item`` > 1 is beam search: generate shows that many candidate rows per input item,
     best first; an item ends when its best candidate hits a stop string. One instance serves the
@@ -55,7 +56,7 @@ class _RunCriteria(StoppingCriteria):
     def __init__(
         self,
         control: RunControl,
-        strings: StopStringCriteria | None = None,
+        strings: RowEnds | None = None,
         *,
         pad_token_id: int | None = None,
         eos_token_ids: list[int] | None = None,
@@ -140,6 +141,8 @@ class _RunCriteria(StoppingCriteria):
         if last is None or length <= last.shape[1]:
             if last is not None:  # a new generation inside the call (Whisper's long-form segments)
                 self.start()
+            if self.strings is not None:
+                self.strings.start()
             known = self.given_prompt_len
             self.prompt_len = length - 1 if known is None else known
         self.new = length - self.prompt_len
@@ -156,7 +159,7 @@ class _RunCriteria(StoppingCriteria):
         done: torch.Tensor | bool = False
         if self.strings is not None:
             self.last_call_at = time.monotonic()
-            rows_done = self.strings(input_ids, scores)
+            rows_done = self.strings(input_ids, scores, self.prompt_len)
             done = _by_item(rows_done, self.rows_per_item) if self.rows_per_item > 1 else rows_done
         if self.step(input_ids=input_ids, scores=scores):
             done = True
@@ -277,12 +280,12 @@ def _why_rows_ended(criteria: _RunCriteria, sequences: torch.Tensor) -> list[str
         while kept and new[kept - 1] in criteria.fill:
             kept -= 1
         hit = (
-            criteria.strings is not None
-            and kept
-            and bool(criteria.strings(sequences[i : i + 1, : criteria.prompt_len + kept], None))
+            criteria.strings.why(sequences[i : i + 1, : criteria.prompt_len + kept], new[:kept])
+            if criteria.strings is not None
+            else None
         )
-        if hit:
-            out.append("stop_string")
+        if hit is not None:
+            out.append(hit)
         elif not criteria.eos.isdisjoint(new):
             out.append("eos")
         elif criteria.limit is not None and kept >= criteria.limit:
@@ -317,18 +320,19 @@ class _Settings:
 
 
 def _make_criteria(control: RunControl, tokenizer: Any) -> _RunCriteria:
-    strings = stop_strings_of(control.condition) if control.watch.per_row else []
-    if strings and tokenizer is None:
+    if watches_x0(control.condition):
         raise ValueError(
-            "stop_strings(...) needs the model's tokenizer: pass tokenizer=... (to stopcock.run with a model,"
-            " or to stopcock.stopping_criteria), or run a text-generation pipeline, which has one"
+            "converged() watches a diffusion model's x0 estimate, which text generation has not;"
+            " for text that stops changing use stopcock.repetition()"
         )
-    if not strings:  # the tokenizer's pad id is for rows that stop strings end (see configure)
+    per_row = row_conditions_of(control.condition) if control.watch.per_row else []
+    rows = row_ends(control, per_row, tokenizer)
+    if rows is None:  # the tokenizer's pad id is for rows that row conditions end (see configure)
         return _RunCriteria(control)
     pad = getattr(tokenizer, "pad_token_id", None)
     return _RunCriteria(
         control,
-        StopStringCriteria(tokenizer, strings),
+        rows,
         pad_token_id=pad if pad is not None else getattr(tokenizer, "eos_token_id", None),
     )
 
@@ -340,8 +344,9 @@ def _configure(criteria: _RunCriteria, settings: _Settings, prompt_len: int | No
     pad = int(pad) if pad is not None else (eos[0] if eos else None)
     if criteria.strings is not None and pad is None:
         raise ValueError(
-            "stop_strings(...) ends rows early, and generate pads such rows with pad_token_id, which this"
-            " model does not define: pass pad_token_id=... (e.g. tokenizer.eos_token_id)"
+            "stop_strings(...), repetition() and timeout/deadline(grace=...) end rows early, and generate"
+            " pads such rows with pad_token_id, which this model does not define: pass pad_token_id=..."
+            " (e.g. tokenizer.eos_token_id)"
         )
     beams = int(settings.get("num_beams") or 1)
     criteria.configure(

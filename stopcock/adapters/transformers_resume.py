@@ -236,7 +236,7 @@ class _Generate:
         ended = []
         if criteria.last_ids is not None:  # the criterion saw a step, so it knows where the prompt ends
             reasons = _why_rows_ended(criteria, sequences)
-            ended = [i for i, r in enumerate(reasons) if r in ("eos", "stop_string")]
+            ended = [i for i, r in enumerate(reasons) if r in ("eos", "stop_string", "repetition")]
         kept, why = None, "the run was abandoned inside a forward (abort mode), so its cache was not complete"
         if cache is not None:
             try:

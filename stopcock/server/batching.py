@@ -32,7 +32,16 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from ..conditions import AnyOf, Condition, StopStrings, from_options
+from ..conditions import (
+    AnyOf,
+    Condition,
+    Repetition,
+    SoftDeadline,
+    SoftTimeout,
+    StopStrings,
+    at_boundary,
+    from_options,
+)
 from ..events import TextDecoder
 from ..outcome import Outcome
 from ..state import StepState
@@ -175,6 +184,10 @@ class Row:
         others: list[Condition] = [c for c in conditions if not isinstance(c, StopStrings)]
         self.condition: Condition | None = AnyOf(*others) if others else None
         self.strings = StopStringCriteria(tokenizer, strings) if strings else None
+        # the row conditions a run alone applies per row (transformers_rows.RowEnds), applied here
+        self.repetitions = [c for c in conditions if isinstance(c, Repetition)]
+        self.soft = [c for c in conditions if isinstance(c, (SoftTimeout, SoftDeadline))]
+        self.emitted = ""  # the text the last token added (held back bytes add none)
         self.decoder = TextDecoder(tokenizer)
         self.pieces: list[str] = []
         self.steps = 0
@@ -189,7 +202,21 @@ class Row:
     def done(self) -> bool:
         return self.reason is not None
 
+    def loops(self, generated: list[int]) -> bool:
+        """Whether the row's ``generated`` tokens loop by one of its ``repetition()`` rules."""
+        return any(rule.loops(generated) for rule in self.repetitions)
+
+    def graced(self, state: StepState) -> str | None:
+        """The reason of a timeout or deadline with grace if it is up and the row's text has just
+        reached its boundary (as a run alone ends such a row), else None."""
+        due = [c for c in self.soft if c.due(state.elapsed)]
+        if not due or not self.emitted:
+            return None
+        grace = "sentence" if any(c.grace == "sentence" for c in due) else "line"
+        return due[0].reason if at_boundary("".join(self.pieces[-8:]), grace) else None
+
     def text(self, chunk: str, step: int) -> None:
+        self.emitted = chunk
         if chunk:
             self.pieces.append(chunk)
             self.job.emit("text", text=chunk, step=step)
@@ -288,6 +315,10 @@ class RowStops(StoppingCriteria):
             return
         if row.strings is not None and bool(row.strings(ids, scores)[0]):
             row.end("stop_string", True)
+        elif row.repetitions and row.loops(ids[0, self.prompt_len :].tolist()):
+            row.end("repetition", True)
+        elif row.soft and (reason := row.graced(state)) is not None:
+            row.end(reason, True)
         elif token in self.eos:
             row.end("eos", False)
         elif state.step >= row.max_tokens:

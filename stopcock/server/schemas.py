@@ -44,6 +44,19 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class RepetitionOptions(Strict):
+    """``stopcock.repetition()``'s settings; a missing one takes the library's default."""
+
+    ngram: int | None = Field(default=None, ge=1, le=64, description="tokens in the n-gram (default 4)")
+    repeats: int | None = Field(default=None, ge=2, le=64, description="times it recurs (default 3)")
+    window: int | None = Field(
+        default=None, ge=1, le=MAX_TOKENS, description="the last tokens looked at (default 64)"
+    )
+
+
+Repeats = bool | RepetitionOptions
+
+
 class StopConditions(Strict):
     """When to stop a job on its own (besides ``POST /v1/jobs/{id}/stop``)."""
 
@@ -55,6 +68,21 @@ class StopConditions(Strict):
     stop_strings: list[StopString] | None = Field(
         default=None, max_length=MAX_STOP_STRINGS, description="text only"
     )
+    repetition: Repeats | None = Field(
+        default=None, description="text only: end each row that loops (true, or its settings)"
+    )
+    grace: Literal["sentence", "line"] | None = Field(
+        default=None, description="text only: once the timeout or deadline is up, end each row at its"
+        " next boundary",
+    )
+    grace_max: float | None = Field(
+        default=None, ge=0, le=MAX_TIMEOUT_S, description="seconds of grace at most (default 10)"
+    )
+
+    @model_validator(mode="after")
+    def _grace_needs_a_time(self) -> StopConditions:
+        from_options(self.model_dump(exclude_none=True))  # grace without a time: a ValueError, a 422
+        return self
 
     @field_validator("deadline")
     @classmethod
@@ -86,6 +114,11 @@ class ImageParameters(Strict):
     )
 
 
+def _repetition(value: Repeats) -> bool | dict[str, int]:
+    """The ``repetition`` stop option of a request's value (its set fields only)."""
+    return value if isinstance(value, bool) else value.model_dump(exclude_none=True) or True
+
+
 class _JobBody(Strict):
     """A job body; each kind narrows ``kind`` and ``parameters``. ``prompt``, or ``prompts``: several,
     run one after the other (each can be skipped; a stop can wait for the current one)."""
@@ -109,8 +142,11 @@ class _JobBody(Strict):
 
     def spec(self) -> JobSpec:
         prompts = None if self.prompts is None else tuple(self.prompts)
+        stop = self.stop.model_dump(exclude_none=True)
+        if self.stop.repetition is not None:
+            stop["repetition"] = _repetition(self.stop.repetition)
         return JobSpec(
-            self.kind, self.prompt, self.parameters.model_dump(), self.stop.model_dump(exclude_none=True),
+            self.kind, self.prompt, self.parameters.model_dump(), stop,
             prompts=prompts,
             priority=self.priority,
         )
@@ -129,7 +165,7 @@ class ImageJob(_JobBody):
     def _no_row_conditions(self) -> ImageJob:
         found = from_options(self.stop.model_dump(exclude_none=True))
         if found:
-            fix = "remove stop.stop_strings (for text jobs only)"
+            fix = "remove stop.stop_strings, stop.repetition and stop.grace (for text jobs only)"
             refuse_row_conditions(AnyOf(*found), "image jobs", fix)
         return self
 
@@ -149,6 +185,9 @@ class _OpenAIText(Strict):
     stream: bool = False
     stream_options: dict[str, bool] | None = Field(default=None, description="include_usage")
     stop: StopString | list[StopString] | None = None
+    repetition: Repeats | None = Field(
+        default=None, description="stopcock extension: end the text when it loops (true, or its settings)"
+    )
     seed: Seed | None = None
     user: Annotated[str, StringConstraints(max_length=256)] | None = None
 
@@ -167,6 +206,8 @@ class _OpenAIText(Strict):
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, seed=self.seed
         )
         stop: dict[str, Any] = {"stop_strings": self.stop} if self.stop else {}
+        if self.repetition:
+            stop["repetition"] = _repetition(self.repetition)
         return JobSpec("text", prompt, params.model_dump(), stop, messages)
 
 
