@@ -65,15 +65,11 @@ def _path(pipe: Any) -> str:
     return "criterion bound to generate"
 
 
-def measure(name: str) -> Row:
-    import torch
-
+def _stopped_at_step(row: Row, stepper: Any, run: Any) -> Any:
+    """``run(stop=..., on_step=...)`` stopped by a button at step ``AT``, counting ``stepper``'s
+    forwards: records on ``row`` whether it stopped there in finish mode with no forward after."""
     import stopcock
-    from tiny.text import task_case
 
-    torch.manual_seed(0)
-    case = task_case(name)
-    row = Row(name, _path(case.pipe), built=True)
     signal, seen = stopcock.StopSignal(), {"forwards": 0, "at_request": None}
 
     def count(module: Any, args: Any, out: Any) -> None:
@@ -84,13 +80,27 @@ def measure(name: str) -> Row:
             seen["at_request"] = seen["forwards"]
             signal.stop("button")
 
-    hook = case.stepper.register_forward_hook(count)
+    hook = stepper.register_forward_hook(count)
     try:
-        outcome = stopcock.run(case.pipe, case.item, stop=signal, on_step=on_step, **case.kwargs)
+        outcome = run(stop=signal, on_step=on_step)
     finally:
         hook.remove()
     row.stopped = outcome.stopped and outcome.steps == AT and outcome.mode == "finish"
     row.zero_after = seen["at_request"] is not None and seen["forwards"] == seen["at_request"]
+    return outcome
+
+
+def measure(name: str) -> Row:
+    import torch
+
+    import stopcock
+    from tiny.text import task_case
+
+    torch.manual_seed(0)
+    case = task_case(name)
+    row = Row(name, _path(case.pipe), built=True)
+    outcome = _stopped_at_step(row, case.stepper, lambda **run: stopcock.run(case.pipe, case.item, **run,
+                                                                               **case.kwargs))
     partial = case.content(outcome.output)
     row.non_empty = partial is not None and len(partial) > 0
     row.note = outcome.detail or ""
@@ -147,23 +157,8 @@ def measure_direct(name: str) -> Row:
         "criterion in generate's list; delay pattern ended at the stop"
     )
     row = Row(name, path, built=True)
-    signal, seen = stopcock.StopSignal(), {"forwards": 0, "at_request": None}
-
-    def count(module: Any, args: Any, out: Any) -> None:
-        seen["forwards"] += 1
-
-    def on_step(state: Any) -> None:
-        if state.step == AT and seen["at_request"] is None:
-            seen["at_request"] = seen["forwards"]
-            signal.stop("button")
-
-    hook = case.stepper.register_forward_hook(count)
-    try:
-        outcome = stopcock.run(case.model, *case.args, kwargs=case.kwargs, stop=signal, on_step=on_step)
-    finally:
-        hook.remove()
-    row.stopped = outcome.stopped and outcome.steps == AT and outcome.mode == "finish"
-    row.zero_after = seen["at_request"] is not None and seen["forwards"] == seen["at_request"]
+    outcome = _stopped_at_step(row, case.stepper, lambda **run: stopcock.run(case.model, *case.args,
+                                                                               kwargs=case.kwargs, **run))
     output = outcome.output
     row.non_empty = isinstance(output, torch.Tensor) and output.numel() > 0 and output.shape[-1] > 0
     row.note = outcome.detail or ""
