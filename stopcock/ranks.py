@@ -336,9 +336,11 @@ def agreement(
         if group is None:  # a mesh of one rank: nothing to agree with
             return None
     condition = None if stop is None else as_condition(stop)
-    if condition is not None and any(c.per_row for c in condition.parts()):
+    per_row = [] if condition is None else [c for c in condition.parts() if c.per_row]
+    if per_row:
         raise ValueError(
-            "stop_strings(...) is not agreed across ranks: pass transformers' own stop_strings=[...] and"
+            f"{per_row[0]!r} ends rows one by one, which is not agreed across ranks: drop it for a run"
+            " over a process group; for stop strings, pass transformers' own stop_strings=[...] and"
             " tokenizer= to the call instead (it ends the same rows on every rank)"
         )
     if escalate_after is not None:
