@@ -16,7 +16,8 @@ The engine answers the contract's calls and delegates: the queue order and the p
 :class:`~stopcock.server.workers.Workers`, holding paused and preempted jobs to
 :class:`~stopcock.server.held.Holding`, the jobs by id and their ends to
 :class:`~stopcock.server.ledger.Ledger` (whose :class:`~stopcock.server.waiters.Waiters` wake the
-requests waiting for an end). They share the engine's one lock.
+requests waiting for an end). The queue, the workers, the holding and the ledger change under the
+engine's one lock, so a job is never both queued and run by a worker.
 """
 
 from __future__ import annotations
