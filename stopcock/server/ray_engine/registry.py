@@ -137,10 +137,13 @@ class JobRegistry(Operations):
         events: list[tuple[str, JobEvent]],
         views: Mapping[str, Mapping[str, Any]],
         results: Mapping[str, Any],
+        batch: Mapping[str, int] | None = None,
     ) -> None:
-        """A batch of a replica's news: events (in order), the current views of its jobs, and the
-        results of those that ended (whose ``done`` event is in ``events``)."""
+        """A batch of a replica's news: events (in order), the current views of its jobs, the
+        results of those that ended (whose ``done`` event is in ``events``), and its batch occupancy."""
         self._seen(replica)
+        if batch is not None and replica in self.fleet.replicas:
+            self.fleet.replicas[replica].batch = dict(batch)
         for job_id, view in views.items():
             record = self._jobs.get(job_id)
             if record is not None and record.claimed_by == replica and not record.final:

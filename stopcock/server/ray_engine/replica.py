@@ -10,7 +10,8 @@ With ``batch_size`` > 1, greedy text jobs (those :func:`~stopcock.server.batchin
 run as the rows of one padded ``generate`` on one lane, as on ``LocalEngine``: such a job waits
 here for a batch (:meth:`ModelReplica._gather`), which takes a lane, waits up to ``batch_wait``
 seconds for more such jobs, claims them all and runs them (``Batching.run``); each row ends, and its
-job is reported, on its own. Serve then hands a replica up to ``concurrency * batch_size`` jobs.
+job is reported, on its own (:mod:`.batches`). Serve then hands a replica up to
+``concurrency * batch_size`` jobs.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ import threading
 import time
 from typing import Any
 
-from ..batching import Batching, batchable
 from ..contract import Backend, JobEvent, JobSpec, Lane
-from ..jobs import INTERRUPTED, Ended, Job, checked_grace, finish, run_lane
+from ..jobs import INTERRUPTED, Job, checked_grace, finish, run_lane
+from .batches import Batches
 from .wire import POLL_S, ModelSpec, call, detached
 
 __all__ = ["ModelReplica"]
@@ -43,11 +44,11 @@ class _Checked:
         return self.lane.execute(spec, ctx)
 
 
-class ModelReplica:
-    """A model replica: the backend, ``concurrency`` lanes (the device lease), the stop poll and the
-    report loop. ``registry`` is the registry's handle (looked up in the replica's Serve application
-    when None); ``name`` identifies the replica (its Ray actor name when None). ``batch_size`` and
-    ``batch_wait`` (seconds): the batches of greedy text jobs, as ``LocalEngine``'s (1: none)."""
+class ModelReplica(Batches):
+    """A model replica: the backend, ``concurrency`` lanes (the device lease), the stop poll, the
+    report loop and the batches (:class:`~.batches.Batches`, ``batch_size``, ``batch_wait``).
+    ``registry``: the registry's handle (None: looked up in the replica's Serve application);
+    ``name``: the replica's (None: its Ray actor name)."""
 
     async def __init__(  # type: ignore[misc]
         self,
@@ -60,8 +61,7 @@ class ModelReplica:
         registry: Any = None,
         name: str | None = None,
         registry_name: str = "JobRegistry",
-        batch_size: int = 1,
-        batch_wait: float = 0.0,
+        batch_size: int = 1, batch_wait: float = 0.0,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be >= 1")
@@ -169,110 +169,6 @@ class ModelReplica:
         except RuntimeError:  # the replica's loop has closed: it is shutting down
             pass
 
-    # -- batches -----------------------------------------------------------------------------------
-    def _init_batching(self, size: int, wait: float) -> None:
-        self.batching = Batching(size, wait)
-        self._gathered: list[tuple[Job, asyncio.Future[bool]]] = []  # waiting for a batch, in arrival order
-        self._arrived = asyncio.Event()
-        self._gathering = False  # a gatherer is waiting for a lane or for the batch to fill
-        lane = self._lanes.get_nowait()  # every lane is alike: whether one can run a batch
-        self._lanes.put_nowait(lane)
-        self._lane_batches = hasattr(lane, "execute_batch")
-
-    def _batches(self, spec: JobSpec) -> bool:
-        """Whether the job runs as a row of a batch (a backend the ingress checks: rows skip ``_Checked``)."""
-        return self.batching.size > 1 and self._lane_batches and self._checked and batchable(spec)
-
-    async def _batched(self, job_id: str, owner: str, spec: JobSpec) -> str:
-        """Run one job as a row of a batch: ``"ran"`` once its end was reported, ``"refused"`` if it
-        may not start (stopped while it waited for its batch)."""
-        job = Job(spec, owner, id=job_id)
-        self._jobs[job_id] = job
-        taken: asyncio.Future[bool] = self._loop.create_future()
-        try:
-            self._gathered.append((job, taken))
-            self._arrived.set()
-            if not self._gathering:
-                self._gathering = True
-                detached(self._gather, self._processes)
-            if not await taken:
-                return "refused"
-            await self._reported[job_id]
-            return "ran"
-        finally:
-            self._reported.pop(job_id, None)
-            self._jobs.pop(job_id, None)
-
-    async def _gather(self) -> None:
-        """Take a lane, wait up to ``batch_wait`` for the batch to fill, claim its jobs and run those
-        granted on the lane, in a thread that gives the lane back once ``generate`` has returned."""
-        taken: list[tuple[Job, asyncio.Future[bool]]] = []
-        lane: Lane | None = None
-        try:
-            lane = await self._lanes.get()  # in turn with the jobs that run alone
-            deadline = self._loop.time() + self.batching.wait
-            while len(self._gathered) < self.batching.size and (left := deadline - self._loop.time()) > 0:
-                self._arrived.clear()
-                try:
-                    await asyncio.wait_for(self._arrived.wait(), left)
-                except asyncio.TimeoutError:
-                    break
-            taken, self._gathered = self._gathered[: self.batching.size], self._gathered[self.batching.size :]
-            self._gathering = bool(self._gathered)
-            if self._gathering:  # more than a batch waits: the next one gathers for the next lane
-                detached(self._gather, self._processes)
-            claims = [call(self.registry, "claim", job.id, self.name, retry_for=None) for job, _ in taken]
-            answers = await asyncio.gather(*claims)
-            rows = [job for (job, _), seq in zip(taken, answers, strict=True) if self._start_row(job, seq)]
-            if rows:
-                worker = threading.Thread(target=self._work_batch, args=(rows, lane), daemon=True,
-                                          name=f"stopcock-ray-batch-{rows[0].id[:8]}")
-                worker.start()
-                lane = None  # the worker gives it back once the batch has returned
-            for job, future in taken:
-                future.set_result(job in rows)
-        except BaseException as exc:  # the jobs taken fail with it (their dispatch reports the error)
-            for _, future in taken:
-                if not future.done():
-                    future.cancel() if isinstance(exc, asyncio.CancelledError) else future.set_exception(exc)
-            raise
-        finally:
-            if lane is not None:
-                self._lanes.put_nowait(lane)
-            if not taken:  # ended before it took any job: the next arrival starts a gatherer
-                self._gathering = False
-
-    def _start_row(self, job: Job, seq: int | None) -> bool:
-        """Mark a job of the batch started if the registry granted its claim (``seq`` events before
-        its first); whether it did."""
-        if seq is None:
-            return False
-        with job.lock:
-            job.events.extend([None] * seq)  # the registry's events come first
-            job.state = "stopping" if job.signal.stopped else "running"
-            job.started = time.time()
-        job.listener = functools.partial(self._post, job.id)
-        self._reported[job.id] = self._loop.create_future()
-        self.batching.rows.add(job)
-        return True
-
-    def _work_batch(self, jobs: list[Job], lane: Lane) -> None:
-        with self._count_lock:
-            self.busy += 1
-            self.peak = max(self.peak, self.busy)
-        try:
-            self.batching.run(jobs, lane, self._row_ended, self.step_delay)
-        finally:  # generate has returned (every row's job has ended): the lane is free for the next
-            with self._count_lock:
-                self.busy -= 1
-            self._give_back(lane)
-
-    def _row_ended(self, job: Job, ended: Ended) -> None:
-        """A row has ended (its batch goes on): the job's end is told at once."""
-        self.batching.rows.discard(job)
-        state, reason, summary, error = ended
-        finish(job, state, reason, outcome=summary, error=error)
-
     # -- stops -------------------------------------------------------------------------------------
     async def _poll_loop(self) -> None:
         applied: list[str] = []
@@ -333,7 +229,8 @@ class ModelReplica:
             }
             ended = [job_id for job_id, e in events if e.type == "done"]
             results = {job_id: self._jobs[job_id].result for job_id in ended if job_id in self._jobs}
-            await call(self.registry, "report", self.name, events, views, results, retry_for=None)
+            counts = self.batching.counts()  # after the rows whose done events these are have ended
+            await call(self.registry, "report", self.name, events, views, results, counts, retry_for=None)
             for job_id in ended:
                 future = self._reported.get(job_id)
                 if future is not None and not future.done():
@@ -346,5 +243,4 @@ class ModelReplica:
                 raise RuntimeError(f"a background loop of the model replica has ended: {loop!r}")
 
     async def stats(self) -> dict[str, int]:
-        counts = {"busy": self.busy, "peak": self.peak, "concurrency": self.concurrency}
-        return {**counts, **self.batching.counts()}
+        return dict(busy=self.busy, peak=self.peak, concurrency=self.concurrency) | self.batching.counts()

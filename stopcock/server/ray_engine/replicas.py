@@ -8,7 +8,7 @@ import asyncio
 import collections
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .records import RecordBook
@@ -25,6 +25,7 @@ class _Replica:
     seen: float
     peak: int = 0
     busy: int = 0
+    batch: dict[str, int] = field(default_factory=dict)  # its batch occupancy (Batching.counts)
 
 
 class ReplicaSet:
@@ -75,6 +76,7 @@ class ReplicaSet:
             "replicas": len(replicas),
             "pipelines_peak": max((r.peak for r in replicas), default=0),
             "concurrency": min((r.concurrency for r in replicas), default=0),
+            **_occupancy([r.batch for r in replicas]),
         }
 
     def seen(self, replica: str, peak: int | None = None, busy: int | None = None) -> None:
@@ -162,3 +164,14 @@ class ReplicaSet:
     def describe(self, kind: str) -> list[dict[str, Any]]:
         """The live replicas of ``kind`` as dicts (name, kind, concurrency, seen, peak, busy)."""
         return [dict(r.__dict__) for r in self.replicas.values() if r.kind == kind]
+
+
+def _occupancy(counts: list[dict[str, int]]) -> dict[str, int]:
+    """The replicas' batch occupancy (their ``Batching.counts``) in one: the rows running, batches
+    run and jobs batched summed; the largest batch size and wait (1 and 0 before any report)."""
+    summed = ("batch_rows_running", "batches_run", "batched_jobs")
+    return {
+        "batch_size": max((c.get("batch_size", 1) for c in counts), default=1),
+        "batch_wait_ms": max((c.get("batch_wait_ms", 0) for c in counts), default=0),
+        **{name: sum(c.get(name, 0) for c in counts) for name in summed},
+    }
