@@ -180,3 +180,41 @@ def test_a_stop_by_id_ends_its_row_within_one_token_and_the_others_go_on(registr
             assert (row["job"]["state"], row["job"]["step"]) == ("completed", TOKENS)
         if i != target and not STOPS[i]:  # the jobs run alone without stop conditions
             assert row["result"]["text"] == alone[i]["result"]["text"]
+
+
+@pytest.mark.timeout(300)
+def test_a_job_stopped_while_it_waits_for_its_batch_never_starts():
+    """In one event loop (the registry, a replica and the engine through stand-ins for Serve handles):
+    a job waiting on the replica for its batch to fill has no claim yet, so a stop ends it at once and
+    the batch, once full, runs the others without it (its claim refused)."""
+    from ray_doubles import LocalHandle, construct
+
+    from stopcock.server.backends import load_backends
+    from stopcock.server.ray_engine.registry import JobRegistry
+    from stopcock.server.ray_engine.replica import ModelReplica
+    from stopcock.server.ray_engine.wire import ModelSpec
+
+    backend = load_backends(None, None)["text"]
+
+    async def main() -> None:
+        registry = await construct(JobRegistry, {}, alive=lambda name: True)
+        replica = await construct(
+            ModelReplica, ModelSpec("text", name="demo-text", factory=lambda: backend), torch_threads=None,
+            registry=LocalHandle(registry), name="replica-0", batch_size=3, batch_wait=600.0,
+        )
+        registry.models["text"] = LocalHandle(replica)
+        engine = RayEngine(LocalHandle(registry), MODELS)
+        first = await engine.submit(greedy(PROMPTS[0]), OWNER)
+        while not replica._gathered:  # yield to the loop until the job waits on the replica (no timing)
+            await asyncio.sleep(0)
+        stopped = await engine.stop(first.id, OWNER)
+        assert (stopped.state, stopped.reason, stopped.started, stopped.step) == ("stopped", "user", None, 0)
+        others = [await engine.submit(greedy(p), OWNER) for p in PROMPTS[1:3]]  # the batch is full now
+        ended = [await engine.wait(view.id, OWNER, 120) for view in others]
+        assert [(v.state, v.step) for v in ended] == [("completed", TOKENS)] * 2
+        assert await registry.settled(first.id, 60) == "refused"
+        assert registry.refused_claims == 1
+        assert (replica.batching.batches, replica.batching.batched) == (1, 2)  # the batch ran without it
+        assert (await engine.get(first.id, OWNER)).to_json() == stopped.to_json()
+
+    asyncio.run(main())
