@@ -2,13 +2,13 @@
 report loop.
 
 :meth:`ModelReplica.run` is the deployment's only request: the registry sends each job there and
-Serve routes it to a replica with a free request slot (``max_ongoing_requests`` = ``concurrency``).
+Serve routes it to a replica with a free request slot (``max_ongoing_requests``: ``concurrency``, see below).
 The job's whole life runs in a task of its own, so a cancelled request (Serve frees its slot)
 neither stops the job nor frees its lane: the lane comes back only when the pipeline has returned.
 
 With ``batch_size`` > 1, greedy text jobs (those :func:`~stopcock.server.batching.batchable` accepts)
 run as the rows of one padded ``generate`` on one lane, as on ``LocalEngine``: such a job waits
-here for a batch (:meth:`ModelReplica._gather`), which takes a lane, waits up to ``batch_wait``
+here for a batch (:meth:`.batches.Batches._gather`), which takes a lane, waits up to ``batch_wait``
 seconds for more such jobs, claims them all and runs them (``Batching.run``); each row ends, and its
 job is reported, on its own (:mod:`.batches`). Serve then hands a replica up to
 ``concurrency * batch_size`` jobs.
