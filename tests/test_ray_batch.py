@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,10 +30,13 @@ from stopcock.server.ray_engine.ingress import RayEngine
 
 APP = "raybatch"
 OWNER = "me"
-ROWS = 6
+ROWS = 7
 TOKENS = 24
-PROMPTS = ["Beautiful is", "Explicit is", "Simple is", "Flat is", "Errors should", "In the face"]
-STOPS: list[dict[str, Any]] = [{}, {}, {}, {}, {"stop_strings": ["\n"]}, {"max_steps": 5}]
+PROMPTS = ["Beautiful is", "Explicit is", "Simple is", "Flat is", "Errors should", "In the face", "There"]
+STOPS: list[dict[str, Any]] = [
+    {}, {}, {}, {}, {"stop_strings": ["\n"]}, {"max_steps": 5},
+    {"deadline": time.time() - 1},  # already past: the row ends before its first token
+]
 MODELS = {"text": {"id": "demo-text", "description": ""}}
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -142,7 +146,9 @@ def test_concurrent_greedy_jobs_run_as_one_batch_with_the_texts_they_have_alone(
         for field in ("state", "reason", "step"):
             assert row["job"][field] == one["job"][field]
         assert row["job"]["outcome"]["detail"] == "ran as one row of a batch"
-    assert [row["job"]["reason"] for row in results] == ["length"] * 4 + ["stop_string", "max_steps"]
+    reasons = [row["job"]["reason"] for row in results]
+    assert reasons == ["length"] * 4 + ["stop_string", "max_steps", "deadline"]
+    assert (results[-1]["job"]["step"], results[-1]["result"]["text"]) == (0, "")
     assert sampled["job"]["state"] == "completed"  # a job that samples runs alone
     assert sampled["job"]["outcome"]["detail"] != "ran as one row of a batch"
 
