@@ -9,7 +9,8 @@ The application's deployments (names as a Serve config file overrides them):
   ordered; see :mod:`stopcock.server.ray_engine`).
 - ``TextModel``, ``ImageModel``: one deployment per served kind; ``num_replicas`` or
   ``autoscaling_config``, and ``ray_actor_options`` (``{"num_gpus": 1}`` for a GPU each).
-  ``max_ongoing_requests`` is the number of pipelines a replica runs at once (``concurrency``).
+  ``max_ongoing_requests`` is the number of jobs a replica takes at once: ``concurrency`` pipelines,
+  times ``batch_size`` for a text model (a pipeline runs up to that many greedy text jobs as one batch).
 
 Ray is imported when an application is built, never when this module is imported.
 """
@@ -67,7 +68,9 @@ class RayOptions:
     or redeployed registry of the same application reads it back (a shared or node-pinned folder
     survives the registry moving to another node); None: no journal.
     ``step_delay``: the test-only per-step throttle. ``torch_threads``: torch threads per model
-    replica (None: torch's default).
+    replica (None: torch's default). ``batch_size``, ``batch_wait`` (seconds): each text model
+    replica runs up to ``batch_size`` concurrent greedy text jobs as the rows of one ``generate``,
+    waiting up to ``batch_wait`` for them (as ``LocalEngine``'s; 1: one job per pipeline).
     """
 
     models: list[ModelSpec]
@@ -87,6 +90,8 @@ class RayOptions:
     fsync: bool = False
     step_delay: float = 0.0
     torch_threads: int | None = None
+    batch_size: int = 1
+    batch_wait: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -94,6 +99,13 @@ class RayOptions:
         counts = self.replicas.values() if isinstance(self.replicas, Mapping) else [self.replicas]
         if self.concurrency < 1 or min(counts) < 1 or self.ingress_replicas < 1:
             raise ValueError("concurrency, replicas and ingress_replicas must be >= 1")
+        if self.batch_size < 1 or not 0 <= self.batch_wait < float("inf"):
+            raise ValueError(f"batch_size must be >= 1 and batch_wait seconds >= 0, got {self.batch_size!r},"
+                             f" {self.batch_wait!r}")
+
+    def max_ongoing(self, kind: str) -> int:
+        """The jobs Serve hands a model replica of ``kind`` at once: a batch per pipeline for text."""
+        return self.concurrency * (self.batch_size if kind == "text" else 1)
 
     def replicas_of(self, kind: str) -> int:
         """The model replicas asked for of ``kind`` (with autoscaling: its ``min_replicas``)."""
@@ -147,7 +159,7 @@ def build(options: RayOptions) -> Any:
         )
         deployment = serve.deployment(
             name=model_deployment(spec.kind),
-            max_ongoing_requests=options.concurrency,
+            max_ongoing_requests=options.max_ongoing(spec.kind),
             ray_actor_options=actor_options(needs, options.model_actor_options),
             logging_config=QUIET,
             **scaling,
@@ -159,6 +171,8 @@ def build(options: RayOptions) -> Any:
             stop_grace=options.stop_grace,
             torch_threads=options.torch_threads,
             registry_name=REGISTRY,
+            batch_size=options.batch_size,
+            batch_wait=options.batch_wait,
         )
     registry = serve.deployment(
         name=REGISTRY,
@@ -233,7 +247,8 @@ def app(args: Mapping[str, Any]) -> Any:
     ``journal_dir``,
     ``fsync``, ``torch_threads``, ``device`` (``auto``: a GPU when the replica has one),
     ``replica_cpus``, ``replica_gpus`` (what each model replica asks for; unset: fitted to the
-    cluster). Replicas and autoscaling go in the config's ``deployments``."""
+    cluster), ``batch_size``, ``batch_wait_ms`` (batches of greedy text jobs). Replicas and
+    autoscaling go in the config's ``deployments``."""
     known = {
         "text_model",
         "image_model",
@@ -252,6 +267,8 @@ def app(args: Mapping[str, Any]) -> Any:
         "device",
         "replica_cpus",
         "replica_gpus",
+        "batch_size",
+        "batch_wait_ms",
     }
     unknown = set(args) - known
     if unknown:
@@ -272,9 +289,12 @@ def app(args: Mapping[str, Any]) -> Any:
             ("fsync", bool),
             ("replica_cpus", float),
             ("replica_gpus", float),
+            ("batch_size", int),
         ]
         if name in args
     }
+    if "batch_wait_ms" in args:
+        options["batch_wait"] = float(args["batch_wait_ms"]) / 1000
     if "journal_dir" in args:
         options["journal_dir"] = args["journal_dir"]
     if args.get("torch_threads") is not None:
@@ -357,6 +377,8 @@ def serve_forever(args: argparse.Namespace, keys: Sequence[str], step_delay: flo
         ingress_replicas=args.ingress_replicas,
         replica_cpus=args.replica_cpus,
         replica_gpus=args.replica_gpus,
+        batch_size=getattr(args, "batch_size", 1),
+        batch_wait=getattr(args, "batch_wait_ms", 0.0) / 1000,
     )
     port = args.port or _free_port(args.host)
     started_here = args.ray_address is None

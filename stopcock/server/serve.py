@@ -86,7 +86,7 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--batch-size", type=_positive, default=16, metavar="N",
         help="greedy text jobs queued together run as the rows of one generate, up to N (1: one at a"
-        " time; default: %(default)s)",
+        " time; default: %(default)s; on Ray: per model replica pipeline)",
     )
     parser.add_argument(
         "--batch-wait-ms", type=_seconds, default=10.0, metavar="MS",

@@ -2,9 +2,16 @@
 report loop.
 
 :meth:`ModelReplica.run` is the deployment's only request: the registry sends each job there and
-Serve routes it to a replica with a free request slot (``max_ongoing_requests`` = ``concurrency``).
+Serve routes it to a replica with a free request slot (``max_ongoing_requests``: ``concurrency``, see below).
 The job's whole life runs in a task of its own, so a cancelled request (Serve frees its slot)
 neither stops the job nor frees its lane: the lane comes back only when the pipeline has returned.
+
+With ``batch_size`` > 1, greedy text jobs (those :func:`~stopcock.server.batching.batchable` accepts)
+run as the rows of one padded ``generate`` on one lane, as on ``LocalEngine``: such a job waits
+here for a batch (:meth:`.batches.Batches._gather`), which takes a lane, waits up to ``batch_wait``
+seconds for more such jobs, claims them all and runs them (``Batching.run``); each row ends, and its
+job is reported, on its own (:mod:`.batches`). Serve then hands a replica up to
+``concurrency * batch_size`` jobs.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from typing import Any
 
 from ..contract import Backend, JobEvent, JobSpec, Lane
 from ..jobs import INTERRUPTED, Job, checked_grace, finish, run_lane
+from .batches import Batches
 from .wire import POLL_S, ModelSpec, call, detached
 
 __all__ = ["ModelReplica"]
@@ -36,10 +44,11 @@ class _Checked:
         return self.lane.execute(spec, ctx)
 
 
-class ModelReplica:
-    """A model replica: the backend, ``concurrency`` lanes (the device lease), the stop poll and the
-    report loop. ``registry`` is the registry's handle (looked up in the replica's Serve application
-    when None); ``name`` identifies the replica (its Ray actor name when None)."""
+class ModelReplica(Batches):
+    """A model replica: the backend, ``concurrency`` lanes (the device lease), the stop poll, the
+    report loop and the batches (:class:`~.batches.Batches`, ``batch_size``, ``batch_wait``).
+    ``registry``: the registry's handle (None: looked up in the replica's Serve application);
+    ``name``: the replica's (None: its Ray actor name)."""
 
     async def __init__(  # type: ignore[misc]
         self,
@@ -52,6 +61,7 @@ class ModelReplica:
         registry: Any = None,
         name: str | None = None,
         registry_name: str = "JobRegistry",
+        batch_size: int = 1, batch_wait: float = 0.0,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be >= 1")
@@ -87,6 +97,7 @@ class ModelReplica:
         self.busy = 0  # pipelines running now
         self.peak = 0  # the most pipelines that ever ran at once here
         self._processes: set[asyncio.Task[Any]] = set()
+        self._init_batching(batch_size, batch_wait)
         await self._register()
         self._loops = [asyncio.ensure_future(self._poll_loop()), asyncio.ensure_future(self._report_loop())]
 
@@ -102,7 +113,8 @@ class ModelReplica:
     # -- the request -------------------------------------------------------------------------------
     async def run(self, job_id: str, owner: str, spec: JobSpec) -> str:
         """Run one job: ``"ran"`` once its end was reported, ``"refused"`` if it may not start."""
-        task = detached(lambda: self._process(job_id, owner, spec), self._processes)
+        process = self._batched if self._batches(spec) else self._process
+        task = detached(lambda: process(job_id, owner, spec), self._processes)
         result: str = await asyncio.shield(task)
         return result
 
@@ -217,7 +229,8 @@ class ModelReplica:
             }
             ended = [job_id for job_id, e in events if e.type == "done"]
             results = {job_id: self._jobs[job_id].result for job_id in ended if job_id in self._jobs}
-            await call(self.registry, "report", self.name, events, views, results, retry_for=None)
+            counts = self.batching.counts()  # after the rows whose done events these are have ended
+            await call(self.registry, "report", self.name, events, views, results, counts, retry_for=None)
             for job_id in ended:
                 future = self._reported.get(job_id)
                 if future is not None and not future.done():
@@ -230,4 +243,4 @@ class ModelReplica:
                 raise RuntimeError(f"a background loop of the model replica has ended: {loop!r}")
 
     async def stats(self) -> dict[str, int]:
-        return {"busy": self.busy, "peak": self.peak, "concurrency": self.concurrency}
+        return dict(busy=self.busy, peak=self.peak, concurrency=self.concurrency) | self.batching.counts()
