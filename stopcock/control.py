@@ -1,10 +1,13 @@
 """One run's stop machinery, shared by every adapter.
 
-A :class:`RunControl` binds the user's ``stop=`` to one run: it owns the run's own token, links
-the user's signals to it so a stop lands at once, counts steps, evaluates the conditions at each
-check, raises :class:`Abort` in abort mode, and builds the :class:`Outcome`. For runs over several
-items (:mod:`stopcock.items`) it also marks the item boundaries, where ``skip()`` and
-``stop_after_item()`` of the user's signals take effect.
+A :class:`RunControl` binds the user's ``stop=`` to one run: it owns the run's own token and
+state, counts steps, evaluates the conditions at each check and raises :class:`Abort` in abort
+mode. Its parts: :class:`Links` links the user's signals to the token so a stop lands at once;
+:class:`~stopcock.limits.TimeLimits` places the timeouts and deadlines; :class:`Items` marks the
+item boundaries of runs over several items (:mod:`stopcock.items`), where ``skip()`` and
+``stop_after_item()`` of the user's signals take effect; :class:`~stopcock.wires.Wires` and
+:class:`~stopcock.forward_checks.ForwardChecks` arm and run the checks that wait; :func:`outcome_of`
+builds the :class:`Outcome`.
 
 **Zero cost until stopped.** What can stop a run is known when it starts (:class:`Watch`): its
 signals, the moments its timeouts and deadlines expire, the step its ``max_steps`` ends at. While
@@ -72,7 +75,7 @@ class Watch(NamedTuple):
     own); ``in_forward``: a part may fire inside a forward at any moment (a condition of your own,
     unless its class says ``fires_in_forward = False``); ``per_row``: a part is a row condition
     (``stop_strings``). Conditions are matched by exact class: a subclass is treated as a condition
-    of your own. A named tuple: every run builds one, and a frozen dataclass costs twice as much.
+    of your own. A named tuple: every run builds one, and a named tuple builds faster than a frozen dataclass.
     """
 
     signals: tuple[StopSignal, ...] = ()
