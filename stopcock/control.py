@@ -48,6 +48,7 @@ from .conditions import (
 from .forward_checks import ForwardChecks
 from .limits import TimeLimits
 from .outcome import Outcome
+from .ranks import Agreement
 from .signal import StopSignal
 from .state import StepState
 from .types import MODES, Mode, choice
@@ -466,14 +467,20 @@ def outcome_of(
     ``rows_stopped_at`` is when the last row ended by a row condition (a stop string), if any
     did: with no other stop, the run is then ``stopped`` for ``rows_reason``, its latency
     measured from that moment. An escalated run reports ``mode="abort"`` and says so in ``detail``.
+    The latency counts from the token's stop, the stop request; in a run agreed across ranks, whose
+    token stops only at the agreed step, from when this rank knew of the stop
+    (:attr:`Agreement.known_at <stopcock.ranks.Agreement.known_at>`).
     """
-    ended, token = control.ended, control.token
+    ended, token, condition = control.ended, control.token, control.condition
     assert ended is not None
     stopped = control.seen and token.reason is not None
     reason = token.reason if stopped else completed
+    requested = token.stopped_at
+    if isinstance(condition, Agreement) and condition.known_at is not None:
+        requested = condition.known_at
     latency = None
-    if stopped and token.stopped_at is not None:
-        latency = max(0.0, ended - max(token.stopped_at, control.started))
+    if stopped and requested is not None:
+        latency = max(0.0, ended - max(requested, control.started))
     if not stopped and rows_stopped_at is not None:
         stopped, reason, latency = True, rows_reason, max(0.0, ended - rows_stopped_at)
     fields.setdefault("mode", control.mode)
