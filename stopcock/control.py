@@ -1,10 +1,13 @@
 """One run's stop machinery, shared by every adapter.
 
-A :class:`RunControl` binds the user's ``stop=`` to one run: it owns the run's own token, links
-the user's signals to it so a stop lands at once, counts steps, evaluates the conditions at each
-check, raises :class:`Abort` in abort mode, and builds the :class:`Outcome`. For runs over several
-items (:mod:`stopcock.items`) it also marks the item boundaries, where ``skip()`` and
-``stop_after_item()`` of the user's signals take effect.
+A :class:`RunControl` binds the user's ``stop=`` to one run: it owns the run's own token and
+state, counts steps, evaluates the conditions at each check and raises :class:`Abort` in abort
+mode. Its parts: :class:`Links` links the user's signals to the token so a stop lands at once;
+:class:`~stopcock.limits.TimeLimits` places the timeouts and deadlines; :class:`Items` marks the
+item boundaries of runs over several items (:mod:`stopcock.items`), where ``skip()`` and
+``stop_after_item()`` of the user's signals take effect; :class:`~stopcock.wires.Wires` and
+:class:`~stopcock.forward_checks.ForwardChecks` arm and run the checks that wait; :func:`outcome_of`
+builds the :class:`Outcome`.
 
 **Zero cost until stopped.** What can stop a run is known when it starts (:class:`Watch`): its
 signals, the moments its timeouts and deadlines expire, the step its ``max_steps`` ends at. While
@@ -27,8 +30,8 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING, Any, NamedTuple
+from contextlib import AbstractContextManager
+from typing import Any, Literal, NamedTuple
 
 from .conditions import (
     Condition,
@@ -42,20 +45,17 @@ from .conditions import (
     as_condition,
     top_level,
 )
+from .forward_checks import ForwardChecks
+from .limits import TimeLimits
 from .outcome import Outcome
+from .ranks import Agreement
 from .signal import StopSignal
 from .state import StepState
 from .types import MODES, Mode, choice
-from .wires import Arming, Wire, WireKind, Wires, tripwire
+from .wires import Arming, Wire, WireKind, Wires
 
-if TYPE_CHECKING:
-    from torch import nn
+__all__ = ["Abort", "Items", "Links", "Phase", "RunControl", "Watch", "outcome_of"]
 
-
-__all__ = ["Abort", "Items", "RunControl", "Watch", "outcome_of"]
-
-
-_NO_CHECKS: AbstractContextManager[None] = nullcontext()  # reusable: it holds no state
 
 class Abort(BaseException):
     """Raised inside the target to abandon a run in abort mode.
@@ -76,7 +76,7 @@ class Watch(NamedTuple):
     own); ``in_forward``: a part may fire inside a forward at any moment (a condition of your own,
     unless its class says ``fires_in_forward = False``); ``per_row``: a part is a row condition
     (``stop_strings``). Conditions are matched by exact class: a subclass is treated as a condition
-    of your own. A named tuple: every run builds one, and a frozen dataclass costs twice as much.
+    of your own. A named tuple: every run builds one, and a named tuple builds faster than a frozen dataclass.
     """
 
     signals: tuple[StopSignal, ...] = ()
@@ -119,16 +119,60 @@ class Watch(NamedTuple):
         )
 
 
+class Links:
+    """The user's signals a run follows (those at the top level of its stop): once the run is
+    entered, a stop of one stops the run's token; their ``skip()`` and ``stop_after_item()`` apply
+    to the run's items. Every callback the run registers on a signal is removed at the end."""
+
+    __slots__ = ("_unlink", "followed", "forwarded")
+
+    def __init__(self, condition: Condition | None) -> None:
+        self.followed: tuple[StopSignal, ...] = (
+            (condition.signal,)  # stop=signal, the usual case
+            if type(condition) is Signalled
+            else tuple(c.signal for c in top_level(condition) if isinstance(c, Signalled))
+        )
+        self.forwarded: tuple[StopSignal, ...] = ()  # the signals whose stops stop the token, once entered
+        self._unlink: list[Callable[[], None]] = []
+
+    def forward(self, stop: Callable[[str], None]) -> None:
+        """From now on a stop of a followed signal calls ``stop(its reason)``."""
+        for signal in self.followed:
+            self._unlink.append(signal.on_stop(_forwarding(signal, stop)))
+        self.forwarded = self.followed
+
+    def add(self, unlink: Callable[[], None]) -> None:
+        """Remove a callback of a signal (``unlink()``) when the run ends."""
+        self._unlink.append(unlink)
+
+    def close(self) -> None:
+        while self._unlink:
+            self._unlink.pop()()
+
+
+def _forwarding(signal: StopSignal, stop: Callable[[str], None]) -> Callable[[], None]:
+    def forward() -> None:
+        stop(signal.reason or "user")
+
+    return forward
+
+
 class Items:
     """A run's item boundaries (:mod:`stopcock.items`): where ``skip()`` and ``stop_after_item()`` of
-    the user's signals it follows take effect, and how each item ended (``reasons``)."""
+    the user's signals it follows take effect. It keeps the run's ``skipping`` (the current item is
+    being skipped) and ``item_reasons`` (how each item ended).
 
-    def __init__(self, followed: tuple[StopSignal, ...]) -> None:
-        self.followed = followed
+    The run is ``skipping`` only while :meth:`skip_called`: the skip counts only grow, and
+    :meth:`begin` resets the count it compares with and ``skipping`` together.
+    """
+
+    __slots__ = ("_run", "base", "by_item", "followed")
+
+    def __init__(self, run: RunControl) -> None:
+        self._run = run
+        self.followed = run.links.followed
         self.base = 0  # skip() calls seen when the current item began
         self.by_item = False  # the run goes item by item (start_item was called)
-        self.skipping = False  # the current item is being skipped
-        self.reasons: list[str] | None = None
 
     def skips(self) -> int:
         return sum(signal.skips for signal in self.followed)
@@ -147,14 +191,47 @@ class Items:
         return next((s.after_item for s in self.followed if s.after_item is not None), None)
 
     def begin(self) -> None:
-        self.base, self.skipping = self.skips(), False
+        self.base, self._run.skipping = self.skips(), False
 
-    def end(self, stopped_for: str | None, count: int) -> None:
-        """The current item (or ``count`` of them) ended: skipped, cut short by a stop for
-        ``stopped_for``, or completed."""
-        reason = "skipped" if self.skipping else stopped_for or "completed"
-        self.reasons = [*(self.reasons or ()), *[reason] * count]
-        self.skipping = False
+    def start(self) -> bool:
+        """Before each item of a run that goes item by item: whether it may start.
+
+        It may not once the run is stopped, or once a signal asked to stop after the current item
+        (the run then stops with that reason).
+        """
+        run = self._run
+        self.by_item = True
+        if not run.token.stopped:
+            reason = self.stop_after_item()
+            if reason is not None:
+                run._stop(reason)
+        if run.check():
+            return False
+        self.begin()
+        return True
+
+    def skip_seen(self) -> bool:
+        """Whether ``skip()`` was called since the current item began: it ends that item, or, in a
+        run that is not item by item, the run (reason ``"skipped"``). Checked at every step."""
+        run = self._run
+        if run.skipping:
+            return True
+        if not self.skip_called():
+            return False
+        if self.by_item:
+            run.skipping = True
+        else:
+            run._stop("skipped")
+            run.seen = True
+        return True
+
+    def end(self, count: int) -> None:
+        """The current item (or ``count`` of them) ended: record why in the run's ``item_reasons``:
+        ``"skipped"``, the stop reason when a stop cut it short, else ``"completed"``."""
+        run = self._run
+        reason = "skipped" if run.skipping else run.token.reason if run.seen else None
+        run.item_reasons = [*(run.item_reasons or ()), *[reason or "completed"] * count]
+        run.skipping = False
 
 
 def _grace(seconds: float | None, mode: str) -> float | None:
@@ -173,8 +250,18 @@ def _grace(seconds: float | None, mode: str) -> float | None:
     return float(seconds)
 
 
+#: Where a run is (:attr:`RunControl.phase`).
+Phase = Literal["bound", "running", "stopping", "stopped", "ended"]
+
+
 class RunControl:
-    """Per-run binding of the stop conditions. Use as a context manager around the run."""
+    """Per-run binding of the stop conditions. Use as a context manager around the run.
+
+    It keeps the run's state (token, steps, :attr:`phase`, clock) and the methods adapters call; its
+    parts have one job each: :class:`Watch`, :class:`~stopcock.limits.TimeLimits`, :class:`Links`,
+    :class:`Items`, :class:`~stopcock.wires.Wires`, :class:`~stopcock.forward_checks.ForwardChecks`
+    (the checks inside a forward), :func:`outcome_of`.
+    """
 
     def __init__(
         self,
@@ -191,24 +278,21 @@ class RunControl:
         self.condition: Condition | None = None if stop is None else as_condition(stop)
         self.watch = Watch.of(self.condition)
         self.on_step = on_step  # (sets whether quiet steps may take the fast path)
-        # the user's signals whose skip() and stop_after_item() this run follows
-        condition = self.condition
-        self._followed: tuple[StopSignal, ...] = (
-            (condition.signal,)  # stop=signal, the usual case
-            if type(condition) is Signalled
-            else tuple(c.signal for c in top_level(condition) if isinstance(c, Signalled))
-        )
-        self.items = Items(self._followed)
+        self.links = Links(self.condition)
+        self.items = Items(self)
+        self.skipping = False  # the current item is being skipped
+        self.item_reasons: list[str] | None = None  # how each item ended, once the run went item by item
+        self.limits = TimeLimits(self.watch.timeouts, self.watch.deadlines)
         self.token = StopSignal()
         self.steps = 0
         self.total: int | None = None
-        self.seen = False
+        self.seen = False  # a check saw the stop: the run ends with it
         self.escalated: float | None = None  # seconds from the stop request to the escalation
-        self._signals = (self.token, *self.watch.signals)
-        self._unlink: list[Callable[[], None]] = []
-        self._forwarded: tuple[StopSignal, ...] = ()  # the signals whose stops stop the token (once entered)
+        self.entered = False
         self.ended: float | None = None
+        self._signals = (self.token, *self.watch.signals)  # what the fast path reads
         self._wires = Wires(self)
+        self._checks = ForwardChecks(self, self._wires, Abort)
         self._start()
 
     @property
@@ -220,33 +304,42 @@ class RunControl:
     @on_step.setter
     def on_step(self, fn: Callable[[StepState], object] | None) -> None:
         self._on_step = fn
-        self._unwatched = fn is None and not self.watch.every_step  # quiet steps may take the fast path
+        # quiet steps before this step count take the fast path: none while something sees each step
+        self._fast_below = self.watch.max_steps if fn is None and not self.watch.every_step else -math.inf
 
     @property
     def steps_wait(self) -> bool:
         """Whether a step boundary can stop the run only once :meth:`arming` arms its wire: no
         ``on_step``, no condition that sees each step, no ``max_steps`` (so a step check may stay out
         of the loop until then)."""
-        return self._unwatched and self.watch.max_steps == math.inf
+        return self._fast_below == math.inf
+
+    @property
+    def phase(self) -> Phase:
+        """Where the run is: ``"bound"`` (not entered yet), ``"running"``, ``"stopping"`` (its token
+        is stopped and no check has seen it yet), ``"stopped"`` (a check saw the stop: the run ends
+        with it), ``"ended"`` (closed: later stops no longer reach it)."""
+        if self.ended is not None:
+            return "ended"
+        if self.seen:
+            return "stopped"
+        if self.token.stopped:
+            return "stopping"
+        return "running" if self.entered else "bound"
 
     def _start(self) -> None:
+        """Start the run's clock and place its time limits (copied for the fast path)."""
         self.started = time.monotonic()
-        if not (self.watch.timeouts or self.watch.deadlines):  # no time condition: the usual case
-            self._time_limit = self._wall_limit = self._due = None
-            return
-        timeouts = [self.started + s for s in self.watch.timeouts]
-        deadlines = [self.started + (when - time.time()) for when in self.watch.deadlines]
-        self._time_limit = min(timeouts, default=None)
-        self._wall_limit = min(self.watch.deadlines, default=None)
-        self._due = min(timeouts + deadlines, default=None)  # when the first time condition expires
+        limits = self.limits
+        limits.start(self.started, time.time)
+        self._time_limit, self._wall_limit = limits.time_limit, limits.wall_limit
 
     # -- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> RunControl:
         self._start()
         self.items.begin()
-        for signal in self._followed:
-            self._unlink.append(signal.on_stop(self._forward(signal)))
-        self._forwarded = self._followed  # their stops reach the token from now on
+        self.links.forward(self._stop)  # the followed signals' stops reach the token from now on
+        self.entered = True
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -256,15 +349,8 @@ class RunControl:
         """Unlink from the user's signals (idempotent); later stops no longer reach this run."""
         if self.ended is None:
             self.ended = time.monotonic()
-        while self._unlink:
-            self._unlink.pop()()
+        self.links.close()
         self._wires.close()
-
-    def _forward(self, signal: StopSignal) -> Callable[[], None]:
-        def forward() -> None:
-            self._stop(signal.reason or "user")
-
-        return forward
 
     def _stop(self, reason: str) -> None:
         """Stop the token (the first reason wins), and re-evaluate what is due: every stop of the
@@ -295,17 +381,10 @@ class RunControl:
     def quiet_step(self, steps: int) -> bool:
         """The fast path of a step boundary: if nothing can stop the run at ``steps`` (steps done)
         and no ``on_step`` watches, record them and return True; the caller skips :meth:`step`.
-
         Otherwise return False and record nothing: the caller makes the full :meth:`step`. A
         ``stop()`` that has returned is seen here; one racing with this call is seen at the next step.
-        """
-        if (
-            self._unwatched
-            and steps < self.watch.max_steps
-            and self._quiet()
-            and not self.items.skipping
-            and not self.items.skip_called()
-        ):
+        No ``skip()`` called also means no item is being skipped (see :class:`Items`)."""
+        if steps < self._fast_below and self._quiet() and not self.items.skip_called():
             self.steps = steps
             return True
         return False
@@ -329,114 +408,35 @@ class RunControl:
         state = self.state(**tensors)
         if self.on_step is not None:
             self.on_step(state)
-        return self.should_stop(state) or self._skip_seen()
+        return self.should_stop(state) or self.items.skip_seen()
 
     def check(self, **tensors: Any) -> bool:
         """A check with no new step done (e.g. before the first step)."""
-        if self._unwatched and self.steps < self.watch.max_steps and self._quiet():
+        if self.steps < self._fast_below and self._quiet():
             return False
         return self.should_stop(self.state(**tensors))
 
-    # -- items ---------------------------------------------------------------------------------------
-    @property
-    def skipping(self) -> bool:
-        """The current item is being skipped."""
-        return self.items.skipping
-
-    @property
-    def item_reasons(self) -> list[str] | None:
-        """How each item ended, once the run went item by item."""
-        return self.items.reasons
-
-    @item_reasons.setter
-    def item_reasons(self, reasons: list[str] | None) -> None:
-        self.items.reasons = reasons
-
-    def _skip_called(self) -> bool:
-        return self.items.skip_called()
-
-    def _skip_seen(self) -> bool:
-        """Whether ``skip()`` was called since the current item began: it ends that item, or, in a
-        run that is not item by item, the run (reason ``"skipped"``). Checked at every step."""
-        items = self.items
-        if items.skipping:
-            return True
-        if not items.skip_called():
-            return False
-        if items.by_item:
-            items.skipping = True
-        else:
-            self._stop("skipped")
-            self.seen = True
-        return True
-
-    def start_item(self) -> bool:
-        """Before each item of a run that goes item by item: whether it may start.
-
-        It may not once the run is stopped, or once a signal asked to stop after the current item
-        (the run then stops with that reason).
-        """
-        self.items.by_item = True
-        if not self.token.stopped:
-            reason = self.items.stop_after_item()
-            if reason is not None:
-                self._stop(reason)
-        if self.check():
-            return False
-        self.items.begin()
-        return True
-
-    def end_item(self, count: int = 1) -> None:
-        """The current item (or the ``count`` items of a batch) ended: record why in ``item_reasons``:
-        ``"skipped"``, the stop reason when a stop cut it short, else ``"completed"``."""
-        self.items.end(self.token.reason if self.seen else None, count)
-
     def poll(self) -> None:
-        """A check inside a model forward: in abort mode raise :class:`Abort` if stopped.
-
-        Only called from forward pre-hooks, and only on the run's own thread.
-        """
+        """A check inside a model forward (called from forward pre-hooks, only on the run's own
+        thread): in abort mode raise :class:`Abort` if stopped."""
         if not self.watch.in_forward and self._quiet():
             return
-        if self._stopped_in_forward():
-            self.seen = True
-            raise Abort(self)
+        self._checks.abort_if_stopped()
 
-    def _stopped_in_forward(self) -> bool:
-        """Whether the run is stopped, its conditions evaluated on a state inside the forward."""
-        return self.token.stopped or (self.condition is not None and self.should_stop(self.state(block=True)))
+    # -- items -----------------------------------------------------------------------------------
+    def start_item(self) -> bool:
+        """Before each item of a run that goes item by item: whether it may start (:meth:`Items.start`)."""
+        return self.items.start()
 
-    def _poll_escalation(self, _module: nn.Module) -> None:
-        """The in-forward check of an escalated finish-mode stop: abort unless a step boundary saw
-        the stop already (the library is then finishing as asked, e.g. decoding the image)."""
-        if self.seen:
-            return
-        if self._stopped_in_forward():
-            now = time.monotonic()
-            self.seen = True
-            self.escalated = now - self._requested(now)
-            raise Abort(self)
+    def end_item(self, count: int = 1) -> None:
+        """The current item (or the ``count`` items of a batch) ended (:meth:`Items.end`)."""
+        self.items.end(count)
 
-    def _requested(self, now: float) -> float:
-        """When the stop was requested: the token's stop, or the first time condition's expiry."""
-        times = [t for t in (self.token.stopped_at, self._due) if t is not None and t <= now]
-        return min(times, default=now)
-
-    # -- checks inside the forward, armed when needed ------------------------------------------------
+    # -- what waits until needed: checks inside the forward, step checks -----------------------------
     def intercept(self, *, abort: bool | None = None) -> AbstractContextManager[None]:
-        """A check before every module call on this thread during the ``with`` block (the run's
-        models, and any other module the run calls), armed only when needed.
-
-        As abort mode arms it (``mode="abort"``, or ``abort=True`` for a target that cannot
-        finish early): once a stop is possible, see the module docstring; the check raises
-        :class:`Abort`. In finish mode with ``escalate_after``: once a stop has waited that long
-        unseen. Otherwise nothing is ever installed.
-        """
-        abort = self.mode == "abort" if abort is None else abort
-        if not abort and self.escalate_after is None:
-            return _NO_CHECKS
-        wire = tripwire()(None, (lambda _m: self.poll()) if abort else self._poll_escalation)
-        return Arming(self._wires, wire, "abort" if abort else "escalate", closes=wire)
+        """A check before every module call on this thread during the ``with`` block, armed only
+        when needed (:meth:`~stopcock.forward_checks.ForwardChecks.intercept`); it raises :class:`Abort`."""
+        return self._checks.intercept(abort)
 
     def arming(self, wire: Wire, kind: WireKind = "step") -> AbstractContextManager[None]:
         """During the ``with`` block, ``wire.arm()`` is called (by the thread that stops, skips, or a
@@ -467,14 +467,20 @@ def outcome_of(
     ``rows_stopped_at`` is when the last row ended by a row condition (a stop string), if any
     did: with no other stop, the run is then ``stopped`` for ``rows_reason``, its latency
     measured from that moment. An escalated run reports ``mode="abort"`` and says so in ``detail``.
+    The latency counts from the token's stop, the stop request; in a run agreed across ranks, whose
+    token stops only at the agreed step, from when this rank knew of the stop
+    (:attr:`Agreement.known_at <stopcock.ranks.Agreement.known_at>`).
     """
-    ended, token = control.ended, control.token
+    ended, token, condition = control.ended, control.token, control.condition
     assert ended is not None
     stopped = control.seen and token.reason is not None
     reason = token.reason if stopped else completed
+    requested = token.stopped_at
+    if isinstance(condition, Agreement) and condition.known_at is not None:
+        requested = condition.known_at
     latency = None
-    if stopped and token.stopped_at is not None:
-        latency = max(0.0, ended - max(token.stopped_at, control.started))
+    if stopped and requested is not None:
+        latency = max(0.0, ended - max(requested, control.started))
     if not stopped and rows_stopped_at is not None:
         stopped, reason, latency = True, rows_reason, max(0.0, ended - rows_stopped_at)
     fields.setdefault("mode", control.mode)

@@ -20,7 +20,11 @@ class Outcome:
     otherwise how it completed (``"completed"``, ``"eos"``, ``"length"``). ``stopped`` is True only
     when the stop took effect, i.e. a check saw it before the run ended; a stop that arrives after
     the last check changes nothing. ``stop_latency`` is measured from the stop request (or from the
-    start of the run, if the request came earlier) to the return. ``mode`` is the mode actually
+    start of the run, if the request came earlier) to the return, on this process's monotonic
+    clock. In a run agreed across ranks (``run(..., group=)``) every rank measures it on its own
+    clock, from when that rank first knew of the stop: the rank that decided, from its own request;
+    any other rank, from the moment it read the announcement of the stop step (not from the agreed
+    step, nor from the other rank's request, whose clock it does not share). ``mode`` is the mode actually
     used, which can differ from the one asked for (``detail`` then says why). ``item_reasons``
     (runs over several inputs) says how each item that started ended: ``"completed"``,
     ``"skipped"`` or the stop reason; items that never started are not listed.

@@ -55,6 +55,13 @@ a rank that sees an announcement for a step it has already passed (a rank not st
 lockstep) raises :class:`RanksError`, instead of going on alone. A rank that hangs without dying
 is waited for as long as the group's own timeout.
 
+**What the Outcome measures.** Every rank returns the same ``stopped``, ``reason``, ``steps`` and
+``mode``. Its ``stop_latency`` is its own, on its own clock, from :attr:`Agreement.known_at`: on the
+rank that decided, its stop request (as on one process: the signal's stop, or the check at which its
+condition fired); on any other rank, the moment its watcher read the announcement. So on every rank
+it includes the step the agreement adds; on the other ranks it leaves out how long the announcement
+took to reach them (the ranks' clocks are not compared).
+
 Every rank makes the same runs of a group in the same order, one at a time (as its collectives
 require anyway): a run's key is named by that order. The user's signals are read, not followed:
 ``skip()`` and ``stop_after_item()`` do not apply to a group run, and ``escalate_after=`` is refused
@@ -66,11 +73,12 @@ from __future__ import annotations
 import datetime
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from .conditions import Condition, Signalled, StopLike, as_condition
+from .conditions import Condition, Signalled, StopLike, as_condition, top_level
 from .signal import StopSignal
 from .state import StepState
 
@@ -179,6 +187,8 @@ class Agreement(Condition):
         self._stop_key = f"{self.key}/stop"
         #: the announced step and reason, once known (set by the watcher thread, or by the announcer)
         self.agreed: tuple[int, str] | None = None
+        self._decided_at: float | None = None  # this rank's own stop request, when its stop decided
+        self._heard_at: float | None = None  # when this rank's watcher read an announcement
         self._known = False  # the run's thread has seen ``agreed``
         self._last: int | None = None  # the step of this rank's last boundary
         self._watcher: threading.Thread | None = None
@@ -223,6 +233,7 @@ class Agreement(Condition):
                 raw = store.get(self._stop_key)
                 if raw != _END:
                     # known and armed (the run's step checks are in its loop) before the acknowledgement
+                    self._heard_at = time.monotonic()
                     self.agreed = self._parse(raw)
                     self.announced.stop("announced")
                     store.set(f"{self.key}/ack/{self.rank}", b"1")
@@ -246,6 +257,27 @@ class Agreement(Condition):
         return self._parse(won)
 
     @staticmethod
+    def _request_time(inner: Condition) -> float:
+        """When this rank's own stop was requested, as on one process: the first stop of a signal at
+        the top level of its stop (a run's token takes it at once), else now (a condition fired)."""
+        times = [
+            c.signal.stopped_at for c in top_level(inner)
+            if isinstance(c, Signalled) and c.signal.stopped_at is not None
+        ]
+        return min(times, default=time.monotonic())
+
+    @property
+    def known_at(self) -> float | None:
+        """When this rank first knew that the run will stop (``time.monotonic()``, this rank's
+        clock), or None: on the rank that decided, its own stop request (a signal's stop, or the
+        check at which its condition fired); on any other rank, the moment its watcher read the
+        announcement from the store (before it acknowledged it). A rank that decided too, but
+        whose announcement lost to another's, knew at the first of the two. The run's
+        ``Outcome.stop_latency`` counts from here."""
+        times = [t for t in (self._decided_at, self._heard_at) if t is not None]
+        return min(times, default=None)
+
+    @staticmethod
     def _parse(raw: bytes) -> tuple[int, str]:
         step, _, reason = raw.decode().partition(" ")
         return int(step), reason
@@ -260,6 +292,7 @@ class Agreement(Condition):
         if agreed is None and self.inner is not None:
             reason = self.inner.check(state)
             if reason is not None:
+                self._decided_at = self._request_time(self.inner)
                 agreed = self.agreed = self._announce(step + 1, reason)
                 self.announced.stop("announced")
         if agreed is None:

@@ -24,6 +24,7 @@ from .signal import StopSignal
 
 if TYPE_CHECKING:
     from .hooks import Tripwire
+    from .limits import TimeLimits
 
 __all__ = ["ARM_AHEAD", "Arming", "Flag", "Wire", "WireKind", "Wires", "tripwire"]
 
@@ -62,13 +63,27 @@ class _Run(Protocol):
     seen: bool
     escalate_after: float | None
     watch: Any
-    _due: float | None
+    limits: TimeLimits
     _signals: tuple[StopSignal, ...]
-    _followed: tuple[StopSignal, ...]
-    _forwarded: tuple[StopSignal, ...]
-    _unlink: list[Callable[[], None]]
 
-    def _skip_called(self) -> bool: ...
+    @property
+    def links(self) -> _Links: ...
+
+    @property
+    def items(self) -> _Items: ...
+
+
+class _Links(Protocol):
+    """What :class:`Wires` reads of the user's signals a run follows (a :class:`~stopcock.control.Links`)."""
+
+    followed: tuple[StopSignal, ...]
+    forwarded: tuple[StopSignal, ...]
+
+    def add(self, unlink: Callable[[], None]) -> None: ...
+
+
+class _Items(Protocol):
+    def skip_called(self) -> bool: ...
 
 
 class Wires:
@@ -83,19 +98,21 @@ class Wires:
     def add(self, wire: Wire, kind: WireKind) -> None:
         """:class:`Arming`'s start: ``wire`` joins the run's wires (taken out again by
         :meth:`drop`, even when this raises), armed at once if it is due."""
-        run = self._run
+        run, links = self._run, self._run.links
         with self._lock:
             first = not self._wires
             skips = kind == "step" and (first or all(k != "step" for _, k in self._wires))
             self._wires.append((wire, kind))
-        if first and run.watch.signals != run._forwarded:  # every stop of a signal of the run
+        if first and run.watch.signals != links.forwarded:  # every stop of a signal of the run
             # re-evaluates what is due (the token's, in _stop; those forwarded to the token reach it there)
-            run._unlink += [s.on_stop(self.stirred) for s in run.watch.signals if s not in run._forwarded]
+            for signal in run.watch.signals:
+                if signal not in links.forwarded:
+                    links.add(signal.on_stop(self.stirred))
         if skips:  # and so does a skip, for the step checks
-            for signal in run._followed:
-                run._unlink.append(signal.on_skip(self.stirred))
+            for signal in links.followed:
+                links.add(signal.on_skip(self.stirred))
         # a thread to wait for what is due later (made here, not in a stop() callback)
-        if self._alarm is None and (kind == "escalate" or run._due is not None):
+        if self._alarm is None and (kind == "escalate" or run.limits.due is not None):
             self._alarm = _Alarm(self.arm_due)
         self.stirred()
 
@@ -109,11 +126,14 @@ class Wires:
         run = self._run
         if kind == "escalate":
             assert run.escalate_after is not None
-            requested = [t for t in (run.token.stopped_at, run._due) if t is not None]
-            return min(requested) + run.escalate_after if requested else None
-        if stopped or (kind == "abort" and run.watch.in_forward) or (kind == "step" and run._skip_called()):
+            requested = run.limits.requested(run.token.stopped_at)
+            return None if requested is None else requested + run.escalate_after
+        if stopped or (kind == "abort" and run.watch.in_forward):
             return -math.inf
-        return None if run._due is None else run._due - ARM_AHEAD
+        if kind == "step" and run.items.skip_called():
+            return -math.inf
+        due = run.limits.due
+        return None if due is None else due - ARM_AHEAD
 
     def arm_due(self) -> float | None:
         """Arm the wires whose moment has come; return the next moment one will, if any."""

@@ -2,7 +2,10 @@
 SCENARIO[,SCENARIO...] MODEL_DIR OUT_DIR``, under ``torchrun`` or started with torchrun's environment
 (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). Runs the scenarios one after the other in
 one process group (so successive runs of the group are covered too) and writes
-``OUT_DIR/<scenario>.rank<r>.json``: the Outcome's fields and the tokens (or the image's digest).
+``OUT_DIR/<scenario>.rank<r>.json``: the Outcome's fields and the tokens (or the image's digest),
+the same on every rank; and for the ``text-*`` runs ``OUT_DIR/<scenario>.rank<r>.clock.json``, what
+differs from rank to rank: each step's ``elapsed`` (read at its on_step), the Outcome's ``elapsed``
+and ``stop_latency``.
 
 Scenarios (``text-*``: a tiny Llama loaded with ``tp_plan="auto"``; ``image-*``: a tiny Stable
 Diffusion pipeline whose UNet all-reduces its output over the group each step, a hand-sharded loop):
@@ -49,8 +52,10 @@ def _text(scenario: str, model: Any, rank: int) -> dict[str, Any]:
     stop: Any = signal
     mode = "abort" if scenario.endswith("-abort") else "finish"
     who = 1 if scenario == "text-rank1" else 0
+    elapsed: dict[int, float] = {}
 
     def on_step(state: stopcock.StepState) -> None:
+        elapsed[state.step] = state.elapsed
         if state.step >= STOP_AT:
             if scenario.startswith(("text-rank0", "text-rank1", "text-unagreed")) and rank == who:
                 signal.stop("user")
@@ -80,6 +85,7 @@ def _text(scenario: str, model: Any, rank: int) -> dict[str, Any]:
     return {
         "stopped": outcome.stopped, "reason": outcome.reason, "steps": outcome.steps,
         "mode": outcome.mode, "tokens": tokens,
+        "clock": {"steps": elapsed, "elapsed": outcome.elapsed, "stop_latency": outcome.stop_latency},
     }
 
 
@@ -177,6 +183,9 @@ def main() -> None:
 
                 model = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto").eval()
             result = _text(scenario, model, rank)
+        clock = result.pop("clock", None)
+        if clock is not None:
+            Path(out, f"{scenario}.rank{rank}.clock.json").write_text(json.dumps(clock))
         Path(out, f"{scenario}.rank{rank}.json").write_text(json.dumps(result))
         if "error" in result:
             os._exit(0)  # the group is broken: leave without its teardown

@@ -10,6 +10,7 @@ from torch import nn
 
 import stopcock
 from stopcock.control import Abort, RunControl
+from stopcock.limits import TimeLimits
 from tiny.blocks import find_blocks, pre_hooks
 
 
@@ -87,6 +88,54 @@ def test_poll_evaluates_time_conditions_but_not_predicates():
 def test_bad_mode_is_rejected():
     with pytest.raises(ValueError, match="finish"):
         RunControl(None, mode="later")
+
+
+def test_the_phase_follows_the_run_from_bound_to_ended():
+    s = stopcock.StopSignal()
+    control = RunControl(s)
+    assert control.phase == "bound"
+    with control:
+        assert control.phase == "running" and control.quiet_step(1)
+        s.stop("now")  # forwarded to the token at once; no check has seen it yet
+        assert control.phase == "stopping"
+        assert control.step(2) and control.phase == "stopped"
+    assert control.phase == "ended"
+    s2 = stopcock.StopSignal()
+    with RunControl(s2) as unseen:
+        s2.stop()
+    assert unseen.phase == "ended" and not unseen.outcome(None).stopped
+
+
+def test_time_limits_are_placed_on_the_runs_clock_from_its_start():
+    limits = TimeLimits((5.0, 2.0), (1_000.0,))
+    assert (limits.time_limit, limits.wall_limit, limits.due) == (None, None, None)
+    assert limits.requested(None) is None
+    limits.start(100.0, lambda: 990.0)  # the deadline is 10 s away on the wall clock
+    assert (limits.time_limit, limits.wall_limit, limits.due) == (102.0, 1_000.0, 102.0)
+    assert limits.requested(101.0) == 101.0 and limits.requested(None) == 102.0
+    assert limits.requested_by(None, now=101.0) == 101.0  # nothing requested yet: now
+    assert limits.requested_by(103.0, now=104.0) == 102.0  # the timeout expired before the stop
+    deadline_first = TimeLimits((60.0,), (1_000.0,))
+    deadline_first.start(100.0, lambda: 995.0)
+    assert deadline_first.due == 105.0
+    untimed = TimeLimits((), ())
+    untimed.start(100.0, lambda: pytest.fail("no deadline: the wall clock is not read"))
+    assert untimed.due is None
+
+
+def test_a_skip_ends_the_item_and_then_keeps_the_fast_path_off_until_the_next_item():
+    s = stopcock.StopSignal()
+    with RunControl(s) as control:
+        assert control.start_item() and control.quiet_step(1)
+        s.skip()
+        assert not control.quiet_step(2)  # a skip: the full step
+        assert control.step(2) and control.skipping
+        assert not control.quiet_step(3)  # skipping: still the full step
+        control.end_item()
+        assert not control.skipping and not control.quiet_step(3)  # until the next item begins
+        assert control.start_item() and control.quiet_step(3)
+        control.end_item()
+    assert control.outcome(None).item_reasons == ["skipped", "completed"]
 
 
 class Block(nn.Module):

@@ -148,6 +148,31 @@ def test_tp_llama_under_torchrun_stops_every_rank_at_the_same_token(llama_dir: P
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+def test_stop_latency_counts_on_each_rank_from_when_it_knew_of_the_stop(llama_dir: Path, tmp_path: Path):
+    # rank 1 stops its signal in its on_step of token 3 and announces token 4; rank 0 has no stop
+    assert _launch(["text-rank1"], llama_dir, tmp_path) == [0, 0]
+    assert _agreed(_results(tmp_path, "text-rank1"))["steps"] == STOP_AT + 1
+    other, decider = (json.loads((tmp_path / f"text-rank1.rank{r}.clock.json").read_text()) for r in range(2))
+    for clock in (other, decider):
+        assert clock["stop_latency"] is not None and clock["stop_latency"] >= 0
+
+    def knew(clock: dict[str, Any]) -> float:
+        """When the latency starts, on that rank's clock (seconds from its run's start)."""
+        return float(clock["elapsed"] - clock["stop_latency"])
+
+    def boundary(clock: dict[str, Any], step: int) -> float:
+        return float(clock["steps"][str(step)])
+
+    # the decider: from its request, in its on_step of token 3, not from the agreed step's check
+    assert boundary(decider, STOP_AT) <= knew(decider) < boundary(decider, STOP_AT + 1)
+    # the other rank: from when its watcher read the announcement. Not before its boundary of token
+    # 2 (rank 1 decided after both ranks had met in the forward of token 3), not at the agreed
+    # step's check: before its boundary of token 4 (rank 1 began the forward of token 4, where
+    # rank 0 waits for it, only once rank 0 had acknowledged the announcement)
+    assert boundary(other, STOP_AT - 1) < knew(other) < boundary(other, STOP_AT + 1)
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
 @pytest.mark.parametrize("dies", [1, 0])  # rank 0 holds the group's store
 def test_a_killed_rank_ends_the_other_with_a_clear_error(llama_dir: Path, tmp_path: Path, dies: int):
     scenario = "text-kill" if dies == 1 else "text-kill0"
@@ -228,6 +253,30 @@ def test_a_one_rank_group_agrees_with_itself(one_rank_group, text_model, tokeniz
     assert group_of(text_model) is None  # a model that is not sharded: no agreement by itself
     unsharded = stopcock.run(text_model, ids, stop=stopcock.max_steps(2), max_new_tokens=10, do_sample=False)
     assert unsharded.steps == 2
+
+
+@pytest.mark.timeout(120)
+def test_a_group_runs_stop_latency_counts_from_the_request_not_from_the_agreed_step(
+    one_rank_group, text_model, tokenizer
+):
+    ids = tokenizer("Hello", return_tensors="pt").input_ids
+    signal = stopcock.StopSignal()
+    boundaries: dict[int, float] = {}
+
+    def on_step(state: stopcock.StepState) -> None:
+        boundaries[state.step] = state.elapsed
+        if state.step == 2:
+            signal.stop("user")
+
+    outcome = stopcock.run(
+        text_model, ids, stop=signal, on_step=on_step, group=one_rank_group, max_new_tokens=10,
+        do_sample=False,
+    )
+    assert (outcome.stopped, outcome.steps) == (True, 3)
+    assert outcome.stop_latency is not None and outcome.stop_latency >= 0
+    requested = outcome.elapsed - outcome.stop_latency  # on the run's clock, from its start
+    # the stop in on_step at token 2, not the check at the agreed token 3, where the run's token stopped
+    assert boundaries[2] <= requested < boundaries[3]
 
 
 @pytest.mark.timeout(120)
