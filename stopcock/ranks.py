@@ -35,10 +35,10 @@ one step more than on one process. The watcher runs while B's run thread waits i
 premise needs the host of each rank to wait for each step's result, as ``generate``'s per-token
 check of finished rows does.
 
-**Cost, measured (``python -m bench --only ranks``).** A design that read the key at every step
-boundary (``store.check``) pays a round trip per step: about 40 µs alone, but a few hundred µs per
-step inside a lockstep loop of two gloo ranks on a busy 2-core host, where the store's thread must
-be scheduled at every step. The watcher moves that wait off the run's thread, and the run's control
+**Cost (measured by ``python -m bench --only ranks``; figures in ``bench/RESULTS.md``).** A design
+that read the key at every step boundary (``store.check``) pays a store round trip per step, and
+inside a lockstep loop of ranks that wait is paid again whenever the store's thread must be
+scheduled. The watcher moves that wait off the run's thread, and the run's control
 sees only what can stop it (:meth:`Agreement.parts`: the run's own signals, time limits and
 ``max_steps``, and a signal the watcher stops before it acknowledges), so until a stop is possible
 on this rank or announced by another, a step costs what it costs in one process: nothing of this
