@@ -69,7 +69,10 @@ class TextRanks:
 
         threads = args.threads or 1
         torch.set_num_threads(threads)
-        ranks = cls(LocalGroup(world, "stopcock.cli_ranks", [spec], threads=threads))
+        try:
+            ranks = cls(LocalGroup(world, "stopcock.cli_ranks", [spec], threads=threads))
+        except RanksError as exc:  # a rank that could not start or join
+            raise UserError(f"{OPTION} {world}: {exc}") from None
         try:
             yield ranks
         finally:

@@ -70,7 +70,10 @@ class RankedTextBackend:
         from transformers import pipeline
 
         check_shardable(model, world, OPTION)
-        group = LocalGroup(world, "stopcock.server.ranked", [model], threads=threads)
+        try:
+            group = LocalGroup(world, "stopcock.server.ranked", [model], threads=threads)
+        except RanksError as exc:  # a rank that could not start or join
+            raise UserError(f"{OPTION} {world}: {exc}") from None
         loaded = False
         try:
             lm, tokenizer = load_text_model(model, sharded=True)
