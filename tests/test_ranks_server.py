@@ -136,3 +136,39 @@ def test_the_serve_command_refuses_a_model_that_cannot_be_sharded(text_model_dir
     assert "GPT2LMHeadModel has no tensor-parallel plan" in capsys.readouterr().err
     assert main(["--text-model", str(text_model_dir), "--tp", "2", "--engine", "ray", "--port", "0"]) == 1
     assert "drop --engine ray" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(600)
+def test_the_serve_command_serves_a_sharded_model_and_its_end_ends_the_worker(llama_dir: Path):  # noqa: F811
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    from test_ranks_cli import _children, _exits_within
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    command = [sys.executable, "-m", "stopcock", "serve", "--text-model", str(llama_dir), "--tp", "2",
+               "--port", "0"]
+    server = subprocess.Popen(command, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert server.stderr is not None
+        url = None
+        for line in server.stderr:
+            found = re.search(r"running on (http://\S+)", line)
+            if found:
+                url = found.group(1)
+                break
+        assert url is not None, "the server ended before serving"
+        (worker,) = _children(server.pid)
+        with httpx.Client(base_url=url, timeout=120) as client:
+            done = _result(client, submit(client, _job(6))["id"])
+        assert (done["job"]["state"], done["job"]["outcome"]["steps"]) == ("completed", 6)
+        server.send_signal(signal.SIGINT)  # Ctrl+C: the server shuts down, and ends the other rank
+        server.wait(120)
+        assert _exits_within(worker, 0)  # gone by the time the server has exited
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
