@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from . import ranks
 from .errors import UserError
 from .outcome import Outcome
 from .ranks import RankLost, RanksError
@@ -132,6 +133,9 @@ class LocalGroup:
                 ))
             self._wait([f"{PREFIX}/joined/{r}" for r in range(1, world)], JOIN_TIMEOUT, "join the group")
             dist.init_process_group("gloo", store=self.store, rank=0, world_size=world, timeout=timeout)
+            # the agreement names each run's key by counting the group's runs on each rank: the workers are
+            # new, so this rank counts from the start too (a group of an earlier LocalGroup had the same name)
+            ranks._runs.pop(dist.distributed_c10d._get_process_group_name(dist.group.WORLD), None)
         except BaseException:
             self.close(abandon=True)
             raise

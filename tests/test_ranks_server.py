@@ -172,3 +172,26 @@ def test_the_serve_command_serves_a_sharded_model_and_its_end_ends_the_worker(ll
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+@pytest.mark.timeout(600)
+def test_a_second_group_in_the_same_process_agrees_too(llama_dir: Path, served):  # noqa: F811
+    """After a group has ended, a new one (new workers) in this process: rank 0 counts its runs from the
+    start again, as the new workers do, so a stop is still agreed (else the announcement would wait for
+    acknowledgements under another key). Last of the tests on ``served``: it ends that group first."""
+    client, first = served
+    job = submit(client, _job(200))
+    wait_for_step(client, job["id"], 2)
+    assert client.post(f"/v1/jobs/{job['id']}/stop").json()["reason"] == "user"  # runs on the first group
+    client.close()
+    first.close()  # as the end of the served fixture does; closing again there changes nothing
+    second = RankedTextBackend.load(str(llama_dir), 2)
+    try:
+        with serving({"text": second}, step_delay=DELAY) as (url, _), httpx.Client(base_url=url) as c:
+            job = submit(c, _job(200))
+            wait_for_step(c, job["id"], 3)
+            stopped = c.post(f"/v1/jobs/{job['id']}/stop").json()
+            assert (stopped["state"], stopped["reason"]) == ("stopped", "user")
+            assert _worker_end(second)["steps"] == stopped["outcome"]["steps"]
+    finally:
+        second.close()
