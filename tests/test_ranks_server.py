@@ -175,10 +175,11 @@ def test_the_serve_command_serves_a_sharded_model_and_its_end_ends_the_worker(ll
 
 
 @pytest.mark.timeout(600)
-def test_a_second_group_in_the_same_process_agrees_too(llama_dir: Path, served):  # noqa: F811
+def test_a_second_group_agrees_too_and_a_killed_worker_fails_its_job(llama_dir: Path, served):  # noqa: F811
     """After a group has ended, a new one (new workers) in this process: rank 0 counts its runs from the
     start again, as the new workers do, so a stop is still agreed (else the announcement would wait for
-    acknowledgements under another key). Last of the tests on ``served``: it ends that group first."""
+    acknowledgements under another key). Then its worker is killed mid-job. Last of the tests on
+    ``served``: it ends that group first."""
     client, first = served
     job = submit(client, _job(200))
     wait_for_step(client, job["id"], 2)
@@ -193,5 +194,18 @@ def test_a_second_group_in_the_same_process_agrees_too(llama_dir: Path, served):
             stopped = c.post(f"/v1/jobs/{job['id']}/stop").json()
             assert (stopped["state"], stopped["reason"]) == ("stopped", "user")
             assert _worker_end(second)["steps"] == stopped["outcome"]["steps"]
+
+            # a worker killed mid-job: rank 0's next collective fails, the job fails saying so, and the
+            # model refuses new jobs (503) instead of leaving them to wait for a rank that is gone
+            job = submit(c, _job(200))
+            wait_for_step(c, job["id"], 3)
+            (worker,) = second.group.procs
+            worker.kill()
+            worker.wait()
+            failed = _result(c, job["id"])["job"]
+            assert failed["state"] == "failed" and "RankLost" in failed["error"], failed
+            assert "has died" in failed["error"] and "restarted" in failed["error"]
+            refused = c.post("/v1/jobs", json=_job(5))
+            assert refused.status_code == 503 and "restart the server" in refused.text
     finally:
         second.close()
