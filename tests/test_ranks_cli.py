@@ -164,3 +164,19 @@ def test_options_the_ranks_cannot_agree_on_name_the_fix(llama_dir: Path, text_mo
     assert code == 1 and "4 attention heads, which do not split over 3 ranks" in err
     code, _, err = run_main("text", "--model", str(text_model_dir), "--prompt", PROMPT, "--tp", "2")
     assert code == 1 and "GPT2LMHeadModel has no tensor-parallel plan" in err and "without --tp" in err
+
+
+@pytest.mark.timeout(2 * LAUNCH)
+def test_ctrl_c_twice_abandons_the_run_and_ends_the_other_rank(llama_dir: Path):
+    args = ["text", "--model", str(llama_dir), "--prompt", PROMPT, "--max-new-tokens", "40", "--tp", "2"]
+    held = Held(args, gate="hold:LlamaForCausalLM:4")
+    held.wait_for("gate: holding")
+    (worker,) = _children(held.proc.pid)
+    held.interrupt()
+    held.wait_for(ACK_ONCE)
+    held.interrupt()  # rank 0 leaves inside token 4; rank 1 waits in its collective: it is ended
+    code, _, err = held.finish()
+    assert code == 130, err
+    assert "stopcock: stopped (interrupted) after 3 of 40 tokens" in err and "mode abort" in err
+    assert _exits_within(worker, 0)  # ended before the command returned
+    assert "every rank ended" not in err and "Traceback" not in err
