@@ -121,8 +121,9 @@ def test_a_timeout_and_a_client_gone_end_every_rank_at_the_same_step(served):
 
 def test_what_a_group_cannot_agree_on_is_refused(served):
     client, _ = served
-    refused = client.post("/v1/jobs", json=_job(10, stop_strings=["x"]))
-    assert refused.status_code == 400 and "not agreed across the ranks" in refused.text
+    for stop in ({"stop_strings": ["x"]}, {"repetition": True}, {"timeout": 5, "grace": "line"}):
+        refused = client.post("/v1/jobs", json=_job(10, **stop))
+        assert refused.status_code == 400 and "not agreed across the ranks" in refused.text, stop
     with pytest.raises(UserError, match="give --text-model"):
         ranked.load_ranked_backends(None, None, 2, threads=None, concurrency=1)
     with pytest.raises(UserError, match="drop --concurrency"):

@@ -93,9 +93,10 @@ class RankedTextBackend:
     def validate(self, spec: JobSpec) -> None:
         if self.broken is not None:
             raise Unavailable(f"the text model's ranks cannot run jobs ({self.broken}): restart the server")
-        if spec.stop.get("stop_strings"):
-            raise InvalidJob("stop_strings end the text row by row, which is not agreed across the ranks of"
-                             " this model: leave them out (timeout, deadline and max_steps are agreed)")
+        row = [name for name in ("stop_strings", "repetition", "grace") if spec.stop.get(name)]
+        if row:
+            raise InvalidJob(f"{row[0]} ends the text row by row, which is not agreed across the ranks of"
+                             " this model: leave it out (timeout, deadline and max_steps are agreed)")
         self.text.validate(spec)
 
     def lane(self) -> RankedTextLane:
