@@ -135,7 +135,8 @@ class LocalGroup:
             dist.init_process_group("gloo", store=self.store, rank=0, world_size=world, timeout=timeout)
             # the agreement names each run's key by counting the group's runs on each rank: the workers are
             # new, so this rank counts from the start too (a group of an earlier LocalGroup had the same name)
-            ranks._runs.pop(dist.distributed_c10d._get_process_group_name(dist.group.WORLD), None)
+            c10d = dist.distributed_c10d
+            ranks._runs.pop(c10d._get_process_group_name(c10d._get_default_group()), None)
         except BaseException:
             self.close(abandon=True)
             raise
