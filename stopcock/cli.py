@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -22,6 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
+from .cli_args import COUNT, SECONDS, SEED, STEP, repetition, stop_string
+from .cli_ranks import TextRanks
+from .cli_ranks import add_arguments as add_rank_arguments
 from .conditions import Condition, from_options
 from .console import INTERRUPTED, CtrlC, Progress, TextEcho
 from .errors import UsageError, UserError, first_line
@@ -165,8 +167,10 @@ def set_threads(threads: int | None, spec: str) -> int:
     return int(torch.get_num_threads())
 
 
-def load_model(ctrl_c: CtrlC, kind: str, spec: str, *, quiet: bool) -> Any:
-    """The ``kind`` model ``spec`` (text: model and tokenizer), with Ctrl+C ending the load at once.
+def load_model(ctrl_c: CtrlC, kind: str, spec: str, *, quiet: bool, load: Callable[..., Any] | None = None
+               ) -> Any:
+    """The ``kind`` model ``spec`` (text: model and tokenizer), loaded by ``load`` (default: the kind's
+    loader), with Ctrl+C ending the load at once.
 
     The libraries are imported first, while a press is only recorded (an import cut short can
     leave a library unusable in this process). ``KeyboardInterrupt`` if Ctrl+C came before or
@@ -174,7 +178,7 @@ def load_model(ctrl_c: CtrlC, kind: str, spec: str, *, quiet: bool) -> Any:
     """
     if not ctrl_c.stop.stopped:  # pressed already: the command ends without them
         import_loaders(kind, quiet=quiet)
-    load = load_text_model if kind == "text" else load_image_pipeline
+    load = load or (load_text_model if kind == "text" else load_image_pipeline)
     with ctrl_c.interruptible():
         return load(spec, quiet=quiet)
 
@@ -252,8 +256,15 @@ def cmd_text(args: argparse.Namespace, ctrl_c: CtrlC) -> int:
     started = time.monotonic()
     prompts = read_prompts(args)
     model_spec = resolve_model(args.model, "text")
+    with TextRanks.started(args, model_spec) as ranks:  # --tp N: this process is rank 0 of N
+        return _text(args, ctrl_c, started, prompts, model_spec, ranks)
+
+
+def _text(args: argparse.Namespace, ctrl_c: CtrlC, started: float, prompts: list[str], model_spec: str,
+          ranks: TextRanks | None) -> int:
     try:
-        model, tokenizer = load_model(ctrl_c, "text", model_spec, quiet=args.model is None)
+        model, tokenizer = load_model(ctrl_c, "text", model_spec, quiet=args.model is None,
+                                      load=None if ranks is None else ranks.load)
     except KeyboardInterrupt:
         ctrl_c.phase = "ended"
         fields = {"command": "text", "model": model_spec, "text": ""}
@@ -273,6 +284,7 @@ def cmd_text(args: argparse.Namespace, ctrl_c: CtrlC) -> int:
         outcome = run_interruptible(
             model, (), {**inputs, "max_new_tokens": args.max_new_tokens, "tokenizer": tokenizer},
             ctrl_c=ctrl_c, conditions=_conditions(args), mode=args.mode, progress=progress,
+            call=run if ranks is None else ranks.run,
         )
         if echo is not None:
             echo.finish()
@@ -439,52 +451,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # -- parser ------------------------------------------------------------------------------------------
 
 
-def _number(kind: Callable[[str], Any], minimum: float, what: str, maximum: float = math.inf
-            ) -> Callable[[str], Any]:
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-        if not minimum <= value <= maximum:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
-        return value
-
-    return parse
-
-
-_SECONDS = _number(float, 0.0, "a number of seconds >= 0")
-_COUNT = _number(int, 1, "an integer >= 1")
-_STEP = _number(int, 0, "an integer >= 0")
-_SEED = _number(int, 0, "a seed: an integer from 0 to 2**64 - 1", maximum=2**64 - 1)
-
-
-def _stop_string(text: str) -> str:
-    if not text:
-        raise argparse.ArgumentTypeError("a stop string cannot be empty")
-    return text
-
-
-def _repetition(text: str) -> dict[str, int]:
-    try:
-        ngram, repeats, window = (int(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not NGRAM,REPEATS,WINDOW (e.g. 4,3,64)") from None
-    return {"ngram": ngram, "repeats": repeats, "window": window}
-
-
 def _add_common(p: argparse.ArgumentParser, model_kind: str) -> None:
     p.add_argument("--model", metavar="PATH_OR_ID",
                    help=f"a local folder or a hub id (default: the built-in demo {model_kind} model)")
     p.add_argument("--prompt", action="append", metavar="TEXT",
                    help="the prompt; repeat it for several, run one after the other")
     p.add_argument("--prompts", metavar="FILE", help="more prompts, one per line")
-    p.add_argument("--timeout", type=_SECONDS, metavar="S", help="stop after S seconds")
+    p.add_argument("--timeout", type=SECONDS, metavar="S", help="stop after S seconds")
     p.add_argument("--mode", choices=MODES, default="finish",
                    help="finish: end at the next step with the partial result (default); abort: abandon "
                         "the run inside the model at its next module call")
     p.add_argument("--json", action="store_true", help="print the Outcome as one JSON object on stdout")
-    p.add_argument("--threads", type=_COUNT, metavar="N", help=THREADS_HELP)
+    p.add_argument("--threads", type=COUNT, metavar="N", help=THREADS_HELP)
     p.add_argument("--progress", choices=("auto", "bar", "lines", "none"), default="auto",
                    help="progress on stderr: a bar, one line per step, or none (auto: a bar on a terminal"
                         " when nothing else is drawn)")
@@ -503,7 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
                           formatter_class=fmt)
     demo.add_argument("--out", default="stopcock-demo.png",
                       help="the PNG comparing the full and the stopped image (default: %(default)s)")
-    demo.add_argument("--threads", type=_COUNT, default=DEMO_THREADS, metavar="N",
+    demo.add_argument("--threads", type=COUNT, default=DEMO_THREADS, metavar="N",
                       help="torch threads (default: %(default)s: the demo models are tiny, and more threads"
                            " only add synchronisation, many times slower on a busy machine)")
     demo.set_defaults(func=cmd_demo)
@@ -511,29 +489,30 @@ def build_parser() -> argparse.ArgumentParser:
     text = sub.add_parser("text", help="generate text, streamed to stdout",
                           epilog=f"{_epilog()}\n\n{JSON_SCHEMA}", formatter_class=fmt)
     _add_common(text, "text")
-    text.add_argument("--max-new-tokens", type=_COUNT, default=100, metavar="N", help="default 100")
-    text.add_argument("--stop", nargs="+", type=_stop_string, metavar="STR",
+    text.add_argument("--max-new-tokens", type=COUNT, default=100, metavar="N", help="default 100")
+    text.add_argument("--stop", nargs="+", type=stop_string, metavar="STR",
                       help="stop when the text contains one of these")
-    text.add_argument("--max-steps", type=_STEP, metavar="N", help="stop after N tokens")
-    text.add_argument("--repetition", nargs="?", const=True, type=_repetition, metavar="NGRAM,REPEATS,WINDOW",
+    text.add_argument("--max-steps", type=STEP, metavar="N", help="stop after N tokens")
+    text.add_argument("--repetition", nargs="?", const=True, type=repetition, metavar="NGRAM,REPEATS,WINDOW",
                       help="end the text when it loops: its last NGRAM tokens seen REPEATS times in its last"
                            " WINDOW tokens (default 4,3,64)")
     text.add_argument("--grace", choices=("sentence", "line"),
                       help="once --timeout is up, end the text at its next sentence or line boundary")
-    text.add_argument("--grace-max", type=_SECONDS, metavar="S",
+    text.add_argument("--grace-max", type=SECONDS, metavar="S",
                       help="with --grace: stop S seconds after the timeout at the latest (default 10)")
+    add_rank_arguments(text)
     text.set_defaults(func=cmd_text)
 
     image = sub.add_parser("image", help="generate an image, saved as PNG with the Outcome in its metadata",
                            epilog=f"{_epilog()}\n\n{JSON_SCHEMA}", formatter_class=fmt)
     _add_common(image, "image")
-    image.add_argument("--steps", type=_COUNT, default=30, metavar="N", help="denoising steps (default 30)")
+    image.add_argument("--steps", type=COUNT, default=30, metavar="N", help="denoising steps (default 30)")
     image.add_argument("--out", default="stopcock.png", metavar="FILE", help="default: %(default)s")
-    image.add_argument("--stop-at-step", type=_STEP, metavar="K", help="stop after K steps")
+    image.add_argument("--stop-at-step", type=STEP, metavar="K", help="stop after K steps")
     image.add_argument("--partial", choices=PARTIALS, default="denoised",
                        help="a stopped image shows the model's estimate of the clean image (denoised,"
                             " default) or the noisy latents as they were (raw)")
-    image.add_argument("--seed", type=_SEED, default=0, metavar="N", help="default 0")
+    image.add_argument("--seed", type=SEED, default=0, metavar="N", help="default 0")
     image.add_argument("--checkpoint", metavar="FILE",
                        help="when the run is stopped (Ctrl+C once, --timeout, --stop-at-step), save a"
                             " checkpoint there: `stopcock resume FILE` finishes the image exactly")
@@ -546,12 +525,12 @@ def build_parser() -> argparse.ArgumentParser:
     resumed.add_argument("--out", metavar="FILE", help="the PNG (default: the stopped run's --out)")
     resumed.add_argument("--checkpoint", metavar="FILE",
                          help="where a resume stopped again saves its checkpoint (default: FILE)")
-    resumed.add_argument("--timeout", type=_SECONDS, metavar="S", help="stop after S seconds")
-    resumed.add_argument("--stop-at-step", type=_STEP, metavar="K", help="stop after step K of the run")
+    resumed.add_argument("--timeout", type=SECONDS, metavar="S", help="stop after S seconds")
+    resumed.add_argument("--stop-at-step", type=STEP, metavar="K", help="stop after step K of the run")
     resumed.add_argument("--partial", choices=PARTIALS, help="what a stopped image shows")
     resumed.add_argument("--mode", choices=MODES, default="finish", help="finish (default) or abort")
     resumed.add_argument("--json", action="store_true", help="print the Outcome as one JSON object")
-    resumed.add_argument("--threads", type=_COUNT, metavar="N", help=THREADS_HELP)
+    resumed.add_argument("--threads", type=COUNT, metavar="N", help=THREADS_HELP)
     resumed.add_argument("--progress", choices=("auto", "bar", "lines", "none"), default="auto",
                          help="progress on stderr (auto: a bar on a terminal)")
     resumed.set_defaults(func=cmd_resume)

@@ -181,13 +181,20 @@ def import_loaders(kind: str, *, quiet: bool = False) -> None:
         from diffusers import DiffusionPipeline  # noqa: F401
 
 
-def load_text_model(spec: str, *, quiet: bool = False) -> tuple[Any, Any]:
-    """A causal LM and its tokenizer, on CPU, in eval mode."""
+def load_text_model(spec: str, *, quiet: bool = False, sharded: bool = False) -> tuple[Any, Any]:
+    """A causal LM and its tokenizer, on CPU, in eval mode; ``sharded``: split over the ranks of the
+    process group this process has joined (transformers' tensor parallelism, ``tp_plan="auto"``)."""
     with _loading(spec, quiet=quiet):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(spec)
-        model = AutoModelForCausalLM.from_pretrained(spec).eval()
+        options: dict[str, Any] = {}
+        if sharded:  # over every rank of the group (the tp size is not read from the environment)
+            import torch.distributed as dist
+            from transformers.distributed import DistributedConfig
+
+            options["distributed_config"] = DistributedConfig(tp_plan="auto", tp_size=dist.get_world_size())
+        model = AutoModelForCausalLM.from_pretrained(spec, **options).eval()
     return model, tokenizer
 
 

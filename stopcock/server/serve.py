@@ -92,6 +92,12 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--batch-wait-ms", type=_seconds, default=10.0, metavar="MS",
         help="how long a batch waits for more jobs to arrive before it starts (default: %(default)s)",
     )
+    parser.add_argument(
+        "--tp", type=_positive, default=1, metavar="N",
+        help="shard the text model over N processes on this machine (transformers' tensor parallelism, gloo,"
+        " 1 torch thread each unless --threads; the local engine, one job at a time): a stop ends every rank"
+        " at the same step",
+    )
     ray = parser.add_argument_group("scale-out on Ray Serve (pip install 'stopcock[ray]')")
     ray.add_argument(
         "--engine", choices=("local", "ray"), default="local",
@@ -172,6 +178,8 @@ def serve(args: argparse.Namespace) -> int:
     with sock:
         try:
             if getattr(args, "engine", "local") == "ray":
+                if getattr(args, "tp", 1) > 1:
+                    raise UserError("--tp serves a sharded model on the local engine: drop --engine ray")
                 _check(args, keys)
                 sock.close()  # Ray Serve's proxy binds the port itself: it was free a moment ago
                 from .ray_deploy import serve_forever
@@ -194,6 +202,11 @@ def _load(args: argparse.Namespace, keys: list[str]) -> dict[str, Any]:
     from .backends import load_backends
 
     _check(args, keys)
+    if getattr(args, "tp", 1) > 1:  # the text model sharded over local ranks (stopcock.server.ranked)
+        from .ranked import load_ranked_backends
+
+        return load_ranked_backends(args.text_model, args.image_model, args.tp, threads=args.threads,
+                                    concurrency=args.concurrency)
     backends = load_backends(args.text_model, args.image_model)
     threads = getattr(args, "threads", None)
     if threads is None and args.text_model is None and args.image_model is None:
@@ -253,6 +266,9 @@ def _run(args: argparse.Namespace, keys: list[str], backends: dict[str, Any], so
         raise UserError(f"the server could not start (uvicorn exit status {exc.code})") from None
     finally:
         engine.close()
+        for backend in backends.values():
+            if hasattr(backend, "close"):
+                backend.close()  # a sharded model's other ranks (stopcock.server.ranked)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
