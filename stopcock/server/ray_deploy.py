@@ -67,7 +67,9 @@ class RayOptions:
     or redeployed registry of the same application reads it back (a shared or node-pinned folder
     survives the registry moving to another node); None: no journal.
     ``step_delay``: the test-only per-step throttle. ``torch_threads``: torch threads per model
-    replica (None: torch's default).
+    replica (None: torch's default). ``checkpoint_dir``: where a paused or preempted job's
+    checkpoint is kept, a folder every model replica can read (shared across machines); None: the
+    Ray object store, owned by the registry (see :mod:`~stopcock.server.ray_engine.checkpoints`).
     """
 
     models: list[ModelSpec]
@@ -87,6 +89,7 @@ class RayOptions:
     fsync: bool = False
     step_delay: float = 0.0
     torch_threads: int | None = None
+    checkpoint_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -159,6 +162,7 @@ def build(options: RayOptions) -> Any:
             stop_grace=options.stop_grace,
             torch_threads=options.torch_threads,
             registry_name=REGISTRY,
+            checkpoint_dir=options.checkpoint_dir,
         )
     registry = serve.deployment(
         name=REGISTRY,
@@ -174,6 +178,7 @@ def build(options: RayOptions) -> Any:
         journal_dir=options.journal_dir,
         fsync=options.fsync,
         kinds=kinds,
+        checkpoint_dir=options.checkpoint_dir,
     )
     ingress = serve.deployment(
         name=INGRESS,
