@@ -113,6 +113,10 @@ class Holds:
         except store_errors() as exc:
             self.book.fail(record, f"its checkpoint could not be kept: {type(exc).__name__}: {exc}")
             return
+        if record.stop is not None:  # stopped while it was being held: it ends here, never runs again
+            job.request_stop(record.stop)  # its stop_step: the step it was held at
+            self.book.end(record, "stopped", record.stop, f"stopped while being held, at step {job.step}")
+            return
         job.saved_steps = int(news["saved_steps"])
         record.claimed_by = None
         self.book.claims[replica].discard(job.id)

@@ -155,7 +155,7 @@ class JobRegistry(Operations):
         results: Mapping[str, Any],
     ) -> None:
         """A batch of a replica's news: events (in order), the current views of its jobs, and the
-        results of those that ended (whose ``done`` event is in ``events``)."""
+        results of those that ended or were held (whose ``done`` or hold event is in ``events``)."""
         self._seen(replica)
         for job_id, view in views.items():
             record = self._jobs.get(job_id)
