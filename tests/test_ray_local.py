@@ -385,3 +385,34 @@ def test_a_paused_job_stopped_ends_with_its_last_run_and_a_queued_one_pauses_at_
         assert (done.state, done.step, done.saved_steps) == ("completed", 5, 0)
 
     asyncio.run(main())
+
+
+def test_a_stop_that_crosses_a_hold_ends_the_job_which_is_not_queued_again(tmp_path):
+    """The replica held the job (asked to) just as a stop was asked: the hold's report reaches the
+    registry after the stop, and the job ends stopped at the step it was held at, never sent again."""
+
+    async def main() -> None:
+        sent = _Never()
+        registry = await construct(
+            JobRegistry, {"text": sent}, alive=lambda name: True, checkpoint_dir=str(tmp_path)
+        )
+        await registry.register("text", "r1", 1, None)
+        await registry.submit("job", text(50), OWNER, 0.0)
+        assert await registry.claim("job", "r1") == 1
+        pausing = asyncio.ensure_future(registry.pause("job", OWNER))
+        _, _, asks = await registry.poll("r1", [], ["job"], 0, 0, 30.0)  # answered once the pause asks
+        assert asks == [("job", "hold", "paused")]
+        assert (await registry.stop("job", OWNER, "user", wait=False)).state == "stopping"
+        held = Job(text(50), OWNER, id="job", seq=1)
+        held.state, held.step, held.started = "paused", 2, 1.0
+        parcel = tmp_path / "held.safetensors"
+        parcel.write_bytes(b"a checkpoint")
+        news = {"parcel": str(parcel), "steps": 2, "saved_steps": 0}
+        event = JobEvent(2, "paused", {"step": 2, "checkpoint_step": 2})
+        await registry.report("r1", [("job", event)], {"job": held.view().to_json()}, {"job": news})
+        view = await asyncio.wait_for(pausing, 30)
+        assert (view.state, view.reason, view.step, view.stop_step) == ("stopped", "user", 2, 2)
+        assert "held" in view.outcome["detail"] and not parcel.exists()  # its checkpoint dropped
+        assert await registry.claim("job", "r1") is None and sent.jobs == ["job"]  # not sent again
+
+    asyncio.run(main())
