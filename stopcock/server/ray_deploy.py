@@ -235,7 +235,7 @@ def app(args: Mapping[str, Any]) -> Any:
     stopcock.server.ray_deploy:app text_model=PATH``). ``args``: ``text_model``, ``image_model`` (a
     folder or hub id; neither: both demo models), ``text_name``, ``image_name``, ``api_keys`` (a list)
     or ``api_keys_file``, ``concurrency``, ``queue_size``, ``retain``, ``stop_wait``, ``stop_grace``,
-    ``journal_dir``,
+    ``journal_dir``, ``checkpoint_dir`` (where held jobs' checkpoints go; unset: the object store),
     ``fsync``, ``torch_threads``, ``device`` (``auto``: a GPU when the replica has one),
     ``replica_cpus``, ``replica_gpus`` (what each model replica asks for; unset: fitted to the
     cluster). Replicas and autoscaling go in the config's ``deployments``."""
@@ -252,6 +252,7 @@ def app(args: Mapping[str, Any]) -> Any:
         "stop_wait",
         "stop_grace",
         "journal_dir",
+        "checkpoint_dir",
         "fsync",
         "torch_threads",
         "device",
@@ -282,6 +283,8 @@ def app(args: Mapping[str, Any]) -> Any:
     }
     if "journal_dir" in args:
         options["journal_dir"] = args["journal_dir"]
+    if args.get("checkpoint_dir") is not None:
+        options["checkpoint_dir"] = str(args["checkpoint_dir"])
     if args.get("torch_threads") is not None:
         options["torch_threads"] = int(args["torch_threads"])
     specs = model_specs(
