@@ -150,27 +150,54 @@ def test_stop_mid_run_answers_once_it_took_effect(client):
     assert done_of(client, job["id"])["state"] == "stopped"
 
 
-def test_pause_holds_a_job_where_the_engine_can_and_is_a_400_elsewhere(client, server):
+def test_pause_holds_a_job_and_resume_finishes_it(client):
     job = submit(client, text_job(40))
     wait_for_step(client, job["id"], 2)
-    answer = client.post(f"/v1/jobs/{job['id']}/pause")
-    if server.name == "ray":  # the Ray engine cannot hold jobs (not Pausable): said, not a 5xx
-        assert answer.status_code == 400 and answer.json()["error"]["code"] == "not_supported"
-        return
-    paused = answer.json()
+    paused = client.post(f"/v1/jobs/{job['id']}/pause").json()
     assert paused["state"] == "paused" and paused["checkpoint_step"] == paused["step"] >= 2
     assert client.post(f"/v1/jobs/{job['id']}/resume").json()["state"] in ("queued", "running", "completed")
     done = done_of(client, job["id"])
     assert (done["state"], done["step"], done["saved_steps"]) == ("completed", 40, paused["step"])
 
 
-def test_priority_is_honoured_where_the_engine_can_and_refused_elsewhere(client, server):
+def test_priority_is_honoured(client):
     answer = client.post("/v1/jobs", json={**text_job(3), "priority": 5})
-    if server.name == "ray":  # the Ray engine queues in submission order: said, never silently ignored
-        assert answer.status_code == 400 and "priority" in answer.json()["error"]["message"]
-        return
     assert answer.status_code == 201 and answer.json()["priority"] == 5
     assert done_of(client, answer.json()["id"])["state"] == "completed"
+
+
+def test_a_job_paused_and_resumed_has_the_text_of_an_uninterrupted_run(client):
+    """On Ray the checkpoint goes through the object store, and any text replica may resume it."""
+    sampled = {"max_tokens": 48, "temperature": 1.0, "top_p": 0.9, "seed": 11}
+    body = {"kind": "text", "prompt": "Once upon a time", "parameters": sampled}
+    alone = submit(client, body)
+    assert done_of(client, alone["id"])["state"] == "completed"
+    job = submit(client, body)
+    wait_for_step(client, job["id"], 3)
+    paused = client.post(f"/v1/jobs/{job['id']}/pause").json()
+    assert paused["state"] == "paused" and paused["checkpoint_step"] == paused["step"] >= 3
+    assert client.post(f"/v1/jobs/{job['id']}/resume").status_code == 200
+    done = done_of(client, job["id"])
+    assert (done["state"], done["saved_steps"]) == ("completed", paused["step"])
+    texts = [client.get(f"/v1/jobs/{j['id']}/result").json()["result"]["text"] for j in (alone, job)]
+    assert texts[0] == texts[1] != ""
+
+
+def test_a_job_of_higher_priority_preempts_the_lowest_running_one(client):
+    """Every text slot busy (LocalEngine: its workers; Ray: each replica's lane): a job of higher
+    priority preempts the running job of the lowest priority, which resumes once a slot is free."""
+    lowest = submit(client, {**text_job(60), "priority": 0})
+    other = submit(client, {**text_job(), "priority": 1})
+    for job in (lowest, other):
+        wait_for_step(client, job["id"], 1)
+    high = submit(client, {**text_job(3), "priority": 5})
+    assert done_of(client, high["id"])["state"] == "completed"
+    seen = list(events(client, lowest["id"]))
+    assert [e["type"] for e in seen].count("preempted") == 1
+    done = seen[-1]
+    assert (done["state"], done["step"], done["preemptions"]) == ("completed", 60, 1)
+    assert done["saved_steps"] >= 1
+    assert client.get(f"/v1/jobs/{other['id']}").json()["preemptions"] == 0
 
 
 def test_stop_after_the_end_reports_the_end(client):

@@ -3,7 +3,8 @@ replica, 2 ingress replicas): what only a cluster shows. A stop reaches the repl
 job through any ingress replica; a stop before any replica claimed the job is kept and the job never
 starts; 100 jobs stopped at random moments by 12 concurrent clients, none running more than one step
 past its stop and no replica above its concurrency; a replica killed mid-job; a registry restarted
-between a stop and its effect. The behaviours both engines share are in ``test_engine_contract.py``.
+between a stop and its effect; a paused job resumed after the replica that held it died (last: it
+leaves Serve replacing that replica). The behaviours both engines share are in ``test_engine_contract.py``.
 """
 
 from __future__ import annotations
@@ -234,3 +235,27 @@ def test_a_registry_restart_loses_no_acknowledged_stop(ray_serve, client):
     stats = registry_call(ray_serve, "stats")
     assert (stats["running"], stats["queued"]) == (0, 0)
     assert len(registry_call(ray_serve, "replicas", "text", 2, 60)) == 2  # the replicas found it again
+
+
+def test_a_paused_job_resumes_after_the_replica_that_held_it_died(ray_serve, client):
+    """A paused job's checkpoint is in the object store, owned by the registry: it outlives the
+    replica that made it, and another replica resumes the job with the text of an uninterrupted run."""
+    import ray
+
+    sampled = {"max_tokens": 40, "temperature": 1.0, "top_p": 0.9, "seed": 5}
+    body = {"kind": "text", "prompt": "Once upon a time", "parameters": sampled}
+    alone = submit(client, body).json()
+    assert list(events(client, alone["id"]))[-1]["state"] == "completed"
+    job = submit(client, body).json()
+    wait_for_step(client, job["id"], 3)
+    replica = registry_call(ray_serve, "placement", job["id"])
+    paused = client.post(f"/v1/jobs/{job['id']}/pause").json()
+    assert paused["state"] == "paused" and paused["checkpoint_step"] == paused["step"] >= 3
+    ray.kill(ray.get_actor(replica, namespace="serve"), no_restart=True)
+    assert client.post(f"/v1/jobs/{job['id']}/resume").json()["state"] == "queued"
+    done = list(events(client, job["id"]))[-1]
+    assert (done["state"], done["saved_steps"]) == ("completed", paused["step"]), done
+    assert registry_call(ray_serve, "placement", job["id"]) not in (None, replica)
+    texts = [client.get(f"/v1/jobs/{j['id']}/result").json()["result"]["text"] for j in (alone, job)]
+    assert texts[0] == texts[1] != ""
+    assert len(registry_call(ray_serve, "replicas", "text", 2, 150)) >= 2  # Serve replaces it

@@ -16,7 +16,7 @@ pytest.importorskip("ray")
 from ray_doubles import LocalHandle, construct  # tests/ is on sys.path under pytest
 
 from stopcock.server.backends import ImageBackend
-from stopcock.server.contract import JobEvent, JobSpec
+from stopcock.server.contract import JobEvent, JobSpec, JobStateConflict
 from stopcock.server.jobs import Job
 from stopcock.server.ray_engine.ingress import RayEngine
 from stopcock.server.ray_engine.registry import JobRegistry
@@ -261,3 +261,158 @@ def test_a_stop_held_by_a_slow_step_escalates_after_the_replicas_grace():
         asyncio.run(main())
     finally:
         slow.release.set()
+
+
+# -- pause, resume and priority preemption ---------------------------------------------------------
+SAMPLED = {"max_tokens": 24, "temperature": 1.0, "top_p": 0.9, "seed": 7}
+
+
+class _RoundRobin:
+    """A stand-in for a model deployment's handle over several replicas: each call goes to the next
+    replica in turn (Serve's router picks one with a free slot; here the order is fixed, so a job
+    sent again lands on another replica than the one that held it)."""
+
+    def __init__(self, replicas: list[ModelReplica]) -> None:
+        self.handles = [LocalHandle(r) for r in replicas]
+        self.calls = 0
+
+    def __getattr__(self, method: str) -> Any:
+        handle = self.handles[self.calls % len(self.handles)]
+        self.calls += 1
+        return getattr(handle, method)
+
+
+async def replicas_over(
+    backend: Any, count: int, checkpoint_dir: str
+) -> tuple[RayEngine, JobRegistry, list[ModelReplica]]:
+    """A registry and ``count`` model replicas of ``backend`` (one lane each), held jobs' checkpoints
+    in ``checkpoint_dir``, and an engine over them."""
+    registry = await construct(JobRegistry, {}, alive=lambda name: True, checkpoint_dir=checkpoint_dir)
+    spec = ModelSpec(backend.kind, name=backend.name, factory=lambda: backend)
+    replicas = [
+        await construct(
+            ModelReplica,
+            spec,
+            step_delay=0.01,
+            torch_threads=None,
+            registry=LocalHandle(registry),
+            name=f"replica-{i}",
+            checkpoint_dir=checkpoint_dir,
+        )
+        for i in range(count)
+    ]
+    registry.models[backend.kind] = _RoundRobin(replicas)
+    engine = RayEngine(LocalHandle(registry), {backend.kind: {"id": backend.name, "description": ""}})
+    return engine, registry, replicas
+
+
+async def text_of(engine: RayEngine, job_id: str) -> tuple[Any, str]:
+    done = await engine.wait(job_id, OWNER)
+    return done, (await engine.result(job_id, OWNER))["result"]["text"]
+
+
+def test_a_job_paused_on_one_replica_resumes_on_another_with_the_text_of_an_uninterrupted_run(
+    server_backends, tmp_path
+):
+    async def main() -> None:
+        engine, registry, _ = await replicas_over(server_backends["text"], 2, str(tmp_path))
+        alone = await engine.submit(JobSpec("text", "Once upon a time", SAMPLED), OWNER)  # replica-0
+        _, uninterrupted = await text_of(engine, alone.id)
+        job = await engine.submit(JobSpec("text", "Once upon a time", SAMPLED), OWNER)  # replica-1
+        await reach(engine, job.id, 5)
+        assert await registry.placement(job.id) == "replica-1"
+        paused = await engine.pause(job.id, OWNER)
+        assert paused.state == "paused" and paused.checkpoint_step == paused.step >= 5
+        assert await registry.placement(job.id) is None  # the claim is released: the lane is free
+        assert len(list(tmp_path.iterdir())) == 1  # the checkpoint, where any replica reads it
+        assert (await engine.pause(job.id, OWNER)) == paused  # idempotent
+        resumed = await engine.resume(job.id, OWNER)
+        assert resumed.state == "queued" and resumed.checkpoint_step == paused.step
+        done, text = await text_of(engine, job.id)
+        assert await registry.placement(job.id) == "replica-0"  # another replica resumed it
+        assert (done.state, done.step, done.saved_steps) == ("completed", 24, paused.step)
+        assert text == uninterrupted != ""
+        types = [e.type async for e in engine.events(job.id, OWNER)]
+        assert types.count("started") == 2 and "paused" in types and "resumed" in types
+        assert list(tmp_path.iterdir()) == []  # dropped once the job ended
+        with pytest.raises(JobStateConflict):
+            await engine.pause(job.id, OWNER)
+
+    asyncio.run(main())
+
+
+def test_a_job_of_higher_priority_preempts_a_running_one_which_resumes_after_it(server_backends, tmp_path):
+    async def main() -> None:
+        engine, _, replicas = await replicas_over(server_backends["text"], 1, str(tmp_path))
+        alone = await engine.submit(JobSpec("text", "Once upon a time", SAMPLED), OWNER)
+        _, uninterrupted = await text_of(engine, alone.id)
+        low = await engine.submit(JobSpec("text", "Once upon a time", SAMPLED), OWNER)
+        await reach(engine, low.id, 3)
+        high = await engine.submit(JobSpec("text", "Hello", text(4).params, priority=5), OWNER)
+        assert high.priority == 5
+        high_done, _ = await text_of(engine, high.id)
+        low_done, low_text = await text_of(engine, low.id)
+        assert (high_done.state, low_done.state) == ("completed", "completed")
+        assert low_done.preemptions == 1 and low_done.saved_steps >= 3
+        assert low_text == uninterrupted  # as if it had never been preempted
+        types = [e.type async for e in engine.events(low.id, OWNER)]
+        assert types.count("preempted") == 1 and types.count("started") == 2
+        assert high_done.started is not None and low_done.finished is not None
+        assert high_done.finished is not None and high_done.finished <= low_done.finished
+        assert replicas[0].peak == 1  # one lane: they never ran at once
+
+    asyncio.run(main())
+
+
+def test_a_paused_job_stopped_ends_with_its_last_run_and_a_queued_one_pauses_at_once(
+    server_backends, tmp_path
+):
+    async def main() -> None:
+        engine, _, _ = await replicas_over(server_backends["text"], 1, str(tmp_path))
+        running = await engine.submit(text(1000), OWNER)
+        await reach(engine, running.id, 2)
+        queued = await engine.submit(text(5), OWNER)
+        held = await engine.pause(queued.id, OWNER)  # no replica runs it: held at once, no checkpoint
+        assert (held.state, held.checkpoint_step, held.started) == ("paused", None, None)
+        paused = await engine.pause(running.id, OWNER)
+        assert paused.state == "paused"
+        stopped = await engine.stop(running.id, OWNER)
+        assert (stopped.state, stopped.reason, stopped.step) == ("stopped", "user", paused.step)
+        assert f"at step {paused.step}" in stopped.outcome["detail"]
+        assert list(tmp_path.iterdir()) == []  # its checkpoint is dropped
+        await engine.resume(queued.id, OWNER)
+        done = await engine.wait(queued.id, OWNER)
+        assert (done.state, done.step, done.saved_steps) == ("completed", 5, 0)
+
+    asyncio.run(main())
+
+
+def test_a_stop_that_crosses_a_hold_ends_the_job_which_is_not_queued_again(tmp_path):
+    """The replica held the job (asked to) just as a stop was asked: the hold's report reaches the
+    registry after the stop, and the job ends stopped at the step it was held at, never sent again."""
+
+    async def main() -> None:
+        sent = _Never()
+        registry = await construct(
+            JobRegistry, {"text": sent}, alive=lambda name: True, checkpoint_dir=str(tmp_path)
+        )
+        await registry.register("text", "r1", 1, None)
+        await registry.submit("job", text(50), OWNER, 0.0)
+        assert await registry.claim("job", "r1") == 1
+        pausing = asyncio.ensure_future(registry.pause("job", OWNER))
+        _, _, asks = await registry.poll("r1", [], ["job"], 0, 0, 30.0)  # answered once the pause asks
+        assert asks == [("job", "hold", "paused")]
+        assert (await registry.stop("job", OWNER, "user", wait=False)).state == "stopping"
+        held = Job(text(50), OWNER, id="job", seq=1)
+        held.state, held.step, held.started = "paused", 2, 1.0
+        parcel = tmp_path / "held.safetensors"
+        parcel.write_bytes(b"a checkpoint")
+        news = {"parcel": str(parcel), "steps": 2, "saved_steps": 0}
+        event = JobEvent(2, "paused", {"step": 2, "checkpoint_step": 2})
+        await registry.report("r1", [("job", event)], {"job": held.view().to_json()}, {"job": news})
+        view = await asyncio.wait_for(pausing, 30)
+        assert (view.state, view.reason, view.step, view.stop_step) == ("stopped", "user", 2, 2)
+        assert "held" in view.outcome["detail"] and not parcel.exists()  # its checkpoint dropped
+        assert await registry.claim("job", "r1") is None and sent.jobs == ["job"]  # not sent again
+
+    asyncio.run(main())

@@ -71,6 +71,9 @@ class RayOptions:
     replica (None: torch's default). ``batch_size``, ``batch_wait`` (seconds): each text model
     replica runs up to ``batch_size`` concurrent greedy text jobs as the rows of one ``generate``,
     waiting up to ``batch_wait`` for them (as ``LocalEngine``'s; 1: one job per pipeline).
+    ``checkpoint_dir``: where a paused or preempted job's
+    checkpoint is kept, a folder every model replica can read (shared across machines); None: the
+    Ray object store, owned by the registry (see :mod:`~stopcock.server.ray_engine.checkpoints`).
     """
 
     models: list[ModelSpec]
@@ -92,6 +95,7 @@ class RayOptions:
     torch_threads: int | None = None
     batch_size: int = 1
     batch_wait: float = 0.0
+    checkpoint_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -173,6 +177,7 @@ def build(options: RayOptions) -> Any:
             registry_name=REGISTRY,
             batch_size=options.batch_size,
             batch_wait=options.batch_wait,
+            checkpoint_dir=options.checkpoint_dir,
         )
     registry = serve.deployment(
         name=REGISTRY,
@@ -188,6 +193,7 @@ def build(options: RayOptions) -> Any:
         journal_dir=options.journal_dir,
         fsync=options.fsync,
         kinds=kinds,
+        checkpoint_dir=options.checkpoint_dir,
     )
     ingress = serve.deployment(
         name=INGRESS,
@@ -244,7 +250,7 @@ def app(args: Mapping[str, Any]) -> Any:
     stopcock.server.ray_deploy:app text_model=PATH``). ``args``: ``text_model``, ``image_model`` (a
     folder or hub id; neither: both demo models), ``text_name``, ``image_name``, ``api_keys`` (a list)
     or ``api_keys_file``, ``concurrency``, ``queue_size``, ``retain``, ``stop_wait``, ``stop_grace``,
-    ``journal_dir``,
+    ``journal_dir``, ``checkpoint_dir`` (where held jobs' checkpoints go; unset: the object store),
     ``fsync``, ``torch_threads``, ``device`` (``auto``: a GPU when the replica has one),
     ``replica_cpus``, ``replica_gpus`` (what each model replica asks for; unset: fitted to the
     cluster), ``batch_size``, ``batch_wait_ms`` (batches of greedy text jobs). Replicas and
@@ -262,6 +268,7 @@ def app(args: Mapping[str, Any]) -> Any:
         "stop_wait",
         "stop_grace",
         "journal_dir",
+        "checkpoint_dir",
         "fsync",
         "torch_threads",
         "device",
@@ -297,6 +304,8 @@ def app(args: Mapping[str, Any]) -> Any:
         options["batch_wait"] = float(args["batch_wait_ms"]) / 1000
     if "journal_dir" in args:
         options["journal_dir"] = args["journal_dir"]
+    if args.get("checkpoint_dir") is not None:
+        options["checkpoint_dir"] = str(args["checkpoint_dir"])
     if args.get("torch_threads") is not None:
         options["torch_threads"] = int(args["torch_threads"])
     specs = model_specs(

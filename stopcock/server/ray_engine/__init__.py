@@ -20,10 +20,16 @@ Three kinds of Serve deployments (:mod:`stopcock.server.ray_deploy` puts them to
 
 The job's ``stop_step`` is the step its run had reached when the stop reached the replica that
 runs it; the run ends at ``stop_step`` or ``stop_step + 1``. Ray is imported only by the functions
-that need it: importing this module does not start or need a clust
+that need it: importing this module does not start or need a cluster.
+
+A job can be held with its checkpoint (paused by its owner, or preempted by a job of higher
+priority) and resumed by any model replica of its kind: the registry asks the replica that runs it
+to hold it, as it asks for a stop, and keeps the checkpoint's handle (:mod:`.holds`,
+:mod:`.checkpoints`).
 
 Modules by job: :mod:`.wire` (what travels between the deployments: ``ModelSpec``, ``Refused``,
 the retried call), :mod:`.ingress` (``RayEngine``), :mod:`.registry` (``JobRegistry``),
 :mod:`.journal` (``Journal``), :mod:`.replica` (``ModelReplica``); the registry's parts:
-:mod:`.records`, :mod:`.replicas`, :mod:`.dispatch`, :mod:`.stops`, :mod:`.operations`.
+:mod:`.records`, :mod:`.replicas`, :mod:`.dispatch`, :mod:`.stops`, :mod:`.holds` (pause, resume,
+preemption), :mod:`.operations`; :mod:`.checkpoints` (where held jobs' checkpoints live).
 """

@@ -90,7 +90,9 @@ class Batches:
             self._gathering = bool(self._gathered)
             if self._gathering:  # more than a batch waits: the next one gathers for the next lane
                 detached(self._gather, self._processes)
-            claims = [call(self.registry, "claim", job.id, self.name, retry_for=None) for job, _ in taken]
+            row = True  # a row keeps no checkpoint: the registry never holds it
+            claims = [call(self.registry, "claim", job.id, self.name, row, retry_for=None)
+                      for job, _ in taken]
             answers = await asyncio.gather(*claims)
             rows = [job for (job, _), seq in zip(taken, answers, strict=True) if self._start_row(job, seq)]
             if rows:

@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ..contract import JobSpec, JobView
+from ..contract import PAUSED, JobSpec, JobView
 from ..jobs import Job
 from .journal import Record
 from .records import RecordBook
@@ -40,6 +40,8 @@ class Dispatcher:
         self.settled: dict[str, str] = {}  # job -> what its dispatch came to
         self.refused_claims = 0
         self.closing = False
+        self.outranked: Callable[[Record], bool] = lambda record: False  # see Holds.outranked
+        self.waiting: Callable[[Record], bool] = lambda record: False  # see holds.waiting
 
     def submit(
         self, job_id: str, spec: JobSpec, owner: str, created: float, unready: Refused | None
@@ -72,10 +74,18 @@ class Dispatcher:
 
     def claim(self, job_id: str, replica: str) -> int | None:
         """May ``replica`` start the job? The number of events before its first if so (it numbers
-        its events from there), None if not: stopped, ended, forgotten, or claimed by another."""
+        its events from there), None if not: stopped, ended, paused, forgotten, or claimed by
+        another; or a job of a higher priority waits for a replica (it is sent again)."""
         record = self.book.jobs.get(job_id)
-        if record is None or record.final or record.claimed_by not in (None, replica):
+        if (
+            record is None
+            or record.final
+            or record.claimed_by not in (None, replica)
+            or record.job.state == PAUSED
+        ):
             self.refused_claims += 1
+            return None
+        if record.claimed_by is None and self.outranked(record):
             return None
         self.fleet.seen(replica)
         if record.claimed_by is None:
@@ -88,12 +98,22 @@ class Dispatcher:
             record.job.changes.bump()
         return len(record.job.events)
 
+    def send(self, record: Record) -> None:
+        """Send a job queued again (resumed) to its deployment, unless a send of it is still going
+        (which sends it again itself)."""
+        if record.job.id not in self.dispatches:
+            self.dispatches[record.job.id] = self.spawn(self.run(record))
+
     async def run(self, record: Record) -> str:
         """Send the job to its model deployment, and learn there if the replica that runs it dies;
-        returns what became of it: ``ran``, ``refused`` (the replica may not start it), ``failed``."""
+        returns what became of it: ``ran``, ``refused`` (the replica may not start it), ``failed``.
+        A job that waits for a replica again after the answer (held and queued again, or refused
+        for a job of a higher priority) is sent again."""
         outcome = "failed"
         try:
             outcome = await self._send(record)
+            while outcome != "failed" and self.waiting(record):
+                outcome = await self._send(record)
             return outcome
         finally:
             self.dispatches.pop(record.job.id, None)
@@ -111,7 +131,8 @@ class Dispatcher:
                 return "refused"
             try:
                 # "ran": the replica reported the job's end before answering; "refused": not claimed there
-                answer: str = await self.models[job.spec.kind].run.remote(job.id, job.owner, job.spec)
+                held = _held(record)
+                answer: str = await self.models[job.spec.kind].run.remote(job.id, job.owner, job.spec, *held)
                 return answer
             except RayActorError as exc:
                 if record.claimed_by is None and attempt < 2:
@@ -131,3 +152,14 @@ class Dispatcher:
                     self.book.fail(record, message)
                 return "failed"
         return "failed"
+
+
+def _held(record: Record) -> tuple[dict[str, Any], ...]:
+    """The extra argument of a replica's ``run`` for a held job: where its checkpoint is, and its
+    counts (none for a job that has no checkpoint)."""
+    job = record.job
+    if job.checkpoint is None:
+        return ()
+    return (
+        {"handle": job.checkpoint.handle, "saved_steps": job.saved_steps, "preemptions": job.preemptions},
+    )

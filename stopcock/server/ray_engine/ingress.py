@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from ..contract import FINAL_STATES, InvalidJob, JobEvent, JobSpec, JobView, KindNotServed
+from ..contract import FINAL_STATES, JobEvent, JobSpec, JobView, KindNotServed
 from ..jobs import new_id
 from .wire import POLL_S, Refused, call, detached
 
@@ -17,8 +17,9 @@ __all__ = ["RayEngine"]
 
 
 class RayEngine:
-    """The :class:`~stopcock.server.contract.Engine` of an ingress replica: every call goes to the
-    job registry (a Serve handle), so every ingress replica sees every job.
+    """The :class:`~stopcock.server.contract.Engine` (and :class:`~stopcock.server.contract.Pausable`)
+    of an ingress replica: every call goes to the job registry (a Serve handle), so every ingress
+    replica sees every job.
 
     ``models`` maps each served kind to ``{"id", "description"}``. Jobs are checked before they are
     queued with the model's validator (e.g. the prompt's length in tokens), which the model replicas
@@ -54,11 +55,6 @@ class RayEngine:
         if spec.kind not in self.models:
             served = ", ".join(self.models)
             raise KindNotServed(f"this server has no {spec.kind} model; it serves: {served}")
-        if spec.priority != 0:  # the registry queues in submission order and cannot preempt (no checkpoints)
-            raise InvalidJob(
-                "the Ray engine runs jobs in submission order: leave out priority (or serve with the local"
-                " engine, which preempts by priority)"
-            )
         validator = await self._validator(spec.kind)
         if validator is not None:
             await asyncio.to_thread(self._validate, validator, spec)
@@ -89,6 +85,17 @@ class RayEngine:
     async def skip(self, job_id: str, owner: str) -> JobView:
         """Skip the running job's current item (see :meth:`JobRegistry.ask`)."""
         view: JobView = await self._ask("ask", job_id, owner, "skip", "skipped")
+        return view
+
+    async def pause(self, job_id: str, owner: str) -> JobView:
+        """Hold the job with its checkpoint, answered once it is held (see :meth:`JobRegistry.pause`);
+        :class:`~stopcock.server.contract.JobStateConflict` for a job that has ended."""
+        view: JobView = await self._ask("pause", job_id, owner)
+        return view
+
+    async def resume(self, job_id: str, owner: str) -> JobView:
+        """Queue a paused job again, to resume from its checkpoint on any replica of its kind."""
+        view: JobView = await self._ask("resume", job_id, owner)
         return view
 
     async def wait(self, job_id: str, owner: str, timeout: float | None = None) -> JobView:

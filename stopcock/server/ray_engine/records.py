@@ -37,6 +37,7 @@ class RecordBook:
         self.queued: set[str] = set()
         self.claims: dict[str, set[str]] = collections.defaultdict(set)  # replica -> its unfinished jobs
         self.finished: collections.deque[str] = collections.deque()
+        self.on_end: Callable[[Record], None] = lambda record: None  # called once per job's end
 
     def full(self) -> Refused | None:
         """The refusal of a new job while ``queue_size`` jobs wait, else None."""
@@ -86,6 +87,7 @@ class RecordBook:
             self.claims[record.claimed_by].discard(job_id)
         if not record.journaled_end:
             record.journaled_end = True
+            self.on_end(record)
             with record.job.lock:
                 done = len(record.job.events)
                 result = record.job.result

@@ -4,7 +4,8 @@
 replicas'); its parts do the bookkeeping: the record book (:class:`~.records.RecordBook`: records,
 queue bound, claims, ends, retention), the replica set (:class:`~.replicas.ReplicaSet`:
 registrations, long polls, liveness), the dispatcher (:class:`~.dispatch.Dispatcher`: intake, sends
-and claims), the stops (:class:`~.stops.Stops`) and the journal (:class:`~.journal.Journal`).
+and claims), the stops (:class:`~.stops.Stops`), the holds (:class:`~.holds.Holds`: pause, resume,
+preemption) and the journal (:class:`~.journal.Journal`).
 
 ``models`` maps each kind to the handle of its model deployment. Everything runs on one event
 loop, so each call is atomic up to its first ``await``: a claim and a stop of the same job are
@@ -27,7 +28,9 @@ from typing import Any
 
 from ..contract import FINAL_STATES, JobEvent, JobSpec, JobState, JobView
 from ..jobs import Job
+from .checkpoints import store_for
 from .dispatch import Dispatcher
+from .holds import Holds
 from .journal import Journal, Record
 from .operations import Operations
 from .records import RecordBook
@@ -54,6 +57,7 @@ class JobRegistry(Operations):
         fsync: bool = False,
         alive: Callable[[str], bool] | None = None,
         kinds: Mapping[str, Mapping[str, Any]] | None = None,
+        checkpoint_dir: str | None = None,
     ) -> None:
         self.models = dict(models)
         self.kinds = {kind: dict((kinds or {}).get(kind, {})) for kind in self.models}
@@ -63,6 +67,7 @@ class JobRegistry(Operations):
         self.fleet = ReplicaSet(self.book, alive or _actor_alive)
         self.dispatcher = Dispatcher(self.models, self.book, self.fleet, self._spawn)
         self.stops = Stops(self.book, self.fleet, stop_wait)
+        self.holds = Holds(self.book, self.fleet, store_for(checkpoint_dir), self.dispatcher, stop_wait)
         # the containers the journal's methods read (the parts' own, never rebound)
         self._jobs, self._queued, self._finished = self.book.jobs, self.book.queued, self.book.finished
         self._claims, self._dispatches = self.book.claims, self.dispatcher.dispatches
@@ -84,7 +89,10 @@ class JobRegistry(Operations):
         """Queue a job (idempotent by ``job_id``: the ingress may ask again after a registry restart);
         with ``ready_only``, refuse it at once when no replica of its kind is ready."""
         unready = self._unavailable(spec.kind) if ready_only and not self._ready(spec.kind) else None
-        return self.dispatcher.submit(job_id, spec, owner, created, unready)
+        view = self.dispatcher.submit(job_id, spec, owner, created, unready)
+        if not isinstance(view, Refused):
+            self.holds.preempt(spec.kind)  # a job of a higher priority than a running one, no lane free
+        return view
 
     async def get(self, job_id: str, owner: str) -> JobView | Refused:
         record = self.book.find(job_id, owner)
@@ -103,6 +111,14 @@ class JobRegistry(Operations):
     async def ask(self, job_id: str, owner: str, action: str, reason: str) -> JobView | Refused:
         """Skip the current item or stop after it (see :meth:`.stops.Stops.ask`)."""
         return await self.stops.ask(job_id, owner, action, reason)
+
+    async def pause(self, job_id: str, owner: str) -> JobView | Refused:
+        """Hold the job with its checkpoint (see :meth:`.holds.Holds.pause`)."""
+        return await self.holds.pause(job_id, owner)
+
+    async def resume(self, job_id: str, owner: str) -> JobView | Refused:
+        """Queue a paused job again (see :meth:`.holds.Holds.resume`)."""
+        return await self.holds.resume(job_id, owner)
 
     async def wait(self, job_id: str, owner: str, timeout: float | None) -> JobView | Refused:
         return await self.book.wait(job_id, owner, timeout)
@@ -127,9 +143,13 @@ class JobRegistry(Operations):
         """A model replica of ``kind`` has started (or finds a restarted registry)."""
         self.fleet.register(kind, replica, concurrency, validator)
 
-    async def claim(self, job_id: str, replica: str) -> int | None:
-        """May ``replica`` start the job? (see :meth:`.dispatch.Dispatcher.claim`)."""
-        return self.dispatcher.claim(job_id, replica)
+    async def claim(self, job_id: str, replica: str, row: bool = False) -> int | None:
+        """May ``replica`` start the job (``row``: as a row of a batch, which keeps no checkpoint, so
+        it is never held)? (see :meth:`.dispatch.Dispatcher.claim`)."""
+        seq = self.dispatcher.claim(job_id, replica)
+        if seq is not None and row:
+            self.holds.rows.add(job_id)
+        return seq
 
     async def report(
         self,
@@ -139,8 +159,9 @@ class JobRegistry(Operations):
         results: Mapping[str, Any],
         batch: Mapping[str, int] | None = None,
     ) -> None:
-        """A batch of a replica's news: events (in order), the current views of its jobs, the
-        results of those that ended (whose ``done`` event is in ``events``), and its batch occupancy."""
+        """A batch of a replica's news: events (in order), the current views of its jobs, the results
+        of those that ended or were held (whose ``done`` or hold event is in ``events``), and its batch
+        occupancy."""
         self._seen(replica)
         if batch is not None and replica in self.fleet.replicas:
             self.fleet.replicas[replica].batch = dict(batch)
@@ -161,6 +182,7 @@ class JobRegistry(Operations):
                     record.job.result = results.get(job_id)
                 record.job.apply(event.data)
             record.job.put(event)
+            self.holds.reported(record, replica, event, results.get(job_id))
             if event.type == "done":
                 self._ended(record)
 

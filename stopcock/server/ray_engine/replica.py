@@ -12,6 +12,12 @@ here for a batch (:meth:`.batches.Batches._gather`), which takes a lane, waits u
 seconds for more such jobs, claims them all and runs them (``Batching.run``); each row ends, and its
 job is reported, on its own (:mod:`.batches`). Serve then hands a replica up to
 ``concurrency * batch_size`` jobs.
+
+A job is held (paused, preempted) when the registry asks: its run is checkpointed at its next step,
+and the hold is reported with the checkpoint's parcel: a file in ``checkpoint_dir`` (a folder every
+replica can read), or else its bytes, which the registry puts in the Ray object store (it owns them).
+A held job sent again resumes from it, on whichever replica took it
+(:mod:`~stopcock.server.ray_engine.checkpoints`).
 """
 
 from __future__ import annotations
@@ -24,9 +30,10 @@ import threading
 import time
 from typing import Any
 
-from ..contract import Backend, JobEvent, JobSpec, Lane
-from ..jobs import INTERRUPTED, Job, checked_grace, finish, run_lane
+from ..contract import HELD_STATES, Backend, JobEvent, JobSpec, Lane
+from ..jobs import INTERRUPTED, Job, checked_grace, run_lane
 from .batches import Batches
+from .checkpoints import Keeper, store_for
 from .wire import POLL_S, ModelSpec, call, detached
 
 __all__ = ["ModelReplica"]
@@ -62,6 +69,7 @@ class ModelReplica(Batches):
         name: str | None = None,
         registry_name: str = "JobRegistry",
         batch_size: int = 1, batch_wait: float = 0.0,
+        checkpoint_dir: str | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be >= 1")
@@ -98,6 +106,7 @@ class ModelReplica(Batches):
         self.peak = 0  # the most pipelines that ever ran at once here
         self._processes: set[asyncio.Task[Any]] = set()
         self._init_batching(batch_size, batch_wait)
+        self.keeper = Keeper(store_for(checkpoint_dir))  # held jobs' checkpoints
         await self._register()
         self._loops = [asyncio.ensure_future(self._poll_loop()), asyncio.ensure_future(self._report_loop())]
 
@@ -111,14 +120,17 @@ class ModelReplica(Batches):
         await call(self.registry, "register", self.kind, self.name, self.concurrency, blob, retry_for=None)
 
     # -- the request -------------------------------------------------------------------------------
-    async def run(self, job_id: str, owner: str, spec: JobSpec) -> str:
-        """Run one job: ``"ran"`` once its end was reported, ``"refused"`` if it may not start."""
-        process = self._batched if self._batches(spec) else self._process
-        task = detached(lambda: process(job_id, owner, spec), self._processes)
+    async def run(self, job_id: str, owner: str, spec: JobSpec, held: dict[str, Any] | None = None) -> str:
+        """Run one job (``held``: from its stored checkpoint): ``"ran"`` once its end (or hold) was
+        reported, ``"refused"`` if it may not start."""
+        if held is None and self._batches(spec):
+            task = detached(lambda: self._batched(job_id, owner, spec), self._processes)
+        else:
+            task = detached(lambda: self._process(job_id, owner, spec, held), self._processes)
         result: str = await asyncio.shield(task)
         return result
 
-    async def _process(self, job_id: str, owner: str, spec: JobSpec) -> str:
+    async def _process(self, job_id: str, owner: str, spec: JobSpec, held: dict[str, Any] | None) -> str:
         lane = await self._lanes.get()  # the lease: a lane of this replica's device
         handed = False
         job = Job(spec, owner, id=job_id)
@@ -133,6 +145,7 @@ class ModelReplica(Batches):
                 job.started = time.time()
             job.listener = functools.partial(self._post, job_id)
             reported = self._reported[job_id] = self._loop.create_future()
+            self.keeper.expect(job_id, held)
             worker = threading.Thread(
                 target=self._work, args=(job, lane), name=f"stopcock-ray-worker-{job_id[:8]}", daemon=True
             )
@@ -153,13 +166,12 @@ class ModelReplica(Batches):
         ended = None
         try:
             lane_here = lane if self._checked else _Checked(lane, self.backend)
-            ended = run_lane(job, lane_here, self.step_delay, self.stop_grace)
-        finally:  # the pipeline has returned: the job's end is told, then its lane is free for the next
+            ended = self.keeper.resumed(job) or run_lane(job, lane_here, self.step_delay, self.stop_grace)
+        finally:  # the pipeline has returned: the job's end (or hold) is told, then its lane is free
             with self._count_lock:
                 self.busy -= 1
             try:
-                state, reason, summary, error = ended or INTERRUPTED
-                finish(job, state, reason, outcome=summary, error=error)
+                self.keeper.settle(job, ended or INTERRUPTED)
             finally:
                 self._give_back(lane)
 
@@ -193,7 +205,7 @@ class ModelReplica(Batches):
             for job_id, action, reason in asks:
                 job = self._jobs.get(job_id)
                 if job is not None:
-                    job.signal.skip() if action == "skip" else job.signal.stop_after_item(reason)
+                    _act(job, action, reason)
             if not known:
                 await self._register()
 
@@ -216,19 +228,9 @@ class ModelReplica(Batches):
                 items, self._outbox = list(self._outbox), collections.deque()
             if not items:
                 continue
-            last_preview = {job_id: i for i, (job_id, e) in enumerate(items) if e.type == "preview"}
-            events = [
-                (job_id, e)
-                for i, (job_id, e) in enumerate(items)
-                if e.type != "preview" or last_preview[job_id] == i  # older previews are dropped anyway
-            ]
-            views = {
-                job_id: job.view().to_json()
-                for job_id in {j for j, _ in items}
-                if (job := self._jobs.get(job_id)) is not None
-            }
-            ended = [job_id for job_id, e in events if e.type == "done"]
-            results = {job_id: self._jobs[job_id].result for job_id in ended if job_id in self._jobs}
+            events, views = _news(items, self._jobs)
+            ended = [job_id for job_id, e in events if e.type == "done" or e.type in HELD_STATES]
+            results = {j: self.keeper.news_of(j, self._jobs[j]) for j in ended if j in self._jobs}
             counts = self.batching.counts()  # after the rows whose done events these are have ended
             await call(self.registry, "report", self.name, events, views, results, counts, retry_for=None)
             for job_id in ended:
@@ -244,3 +246,25 @@ class ModelReplica(Batches):
 
     async def stats(self) -> dict[str, int]:
         return dict(busy=self.busy, peak=self.peak, concurrency=self.concurrency) | self.batching.counts()
+
+
+def _act(job: Job, action: str, reason: str) -> None:
+    """Apply an ask of the registry to the job: skip its item, stop after it, or hold it (a pause or
+    a preemption: the run is checkpointed at its next step, then held)."""
+    if action == "hold":
+        job.interrupt.stop(reason)
+    elif action == "skip":
+        job.signal.skip()
+    else:
+        job.signal.stop_after_item(reason)
+
+
+def _news(
+    items: list[tuple[str, JobEvent]], jobs: dict[str, Job]
+) -> tuple[list[tuple[str, JobEvent]], dict[str, Any]]:
+    """The events to report (a job's older previews dropped: the newest supersedes them) and the
+    current views of the jobs they are of."""
+    last = {job_id: i for i, (job_id, e) in enumerate(items) if e.type == "preview"}
+    events = [(job_id, e) for i, (job_id, e) in enumerate(items) if e.type != "preview" or last[job_id] == i]
+    views = {j: job.view().to_json() for j in {j for j, _ in items} if (job := jobs.get(j)) is not None}
+    return events, views

@@ -12,6 +12,8 @@ from .wire import Refused
 
 __all__ = ["Stops"]
 
+_NEVER = "stopped while queued: it never ran"
+
 
 class Stops:
     """Stops and asks (skip the item, stop after it) of the jobs in ``book``, handed to their
@@ -34,8 +36,10 @@ class Stops:
                 record.stop = reason
                 self.book.write("stop", id=job_id, reason=reason)
             if record.claimed_by is None:
+                held = record.job.started is not None  # paused, or preempted and queued again
+                detail = f"stopped while {record.job.state}, at step {record.job.step}" if held else _NEVER
                 record.job.request_stop(record.stop)  # its stop_step: the step it reached, none
-                self.book.end(record, "stopped", record.stop, "stopped while queued: it never ran")
+                self.book.end(record, "stopped", record.stop, detail)
             else:
                 with record.job.lock:
                     if record.job.state == "running":

@@ -11,7 +11,16 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..contract import Backend, InvalidJob, JobNotFound, JobSpec, KindNotServed, QueueFull, Unavailable
+from ..contract import (
+    Backend,
+    InvalidJob,
+    JobNotFound,
+    JobSpec,
+    JobStateConflict,
+    KindNotServed,
+    QueueFull,
+    Unavailable,
+)
 
 __all__ = ["POLL_S", "SILENT_S", "ModelSpec", "Refused", "call", "detached", "spec_from_json", "spec_to_json"]
 
@@ -28,7 +37,7 @@ SILENT_S = 3 * POLL_S
 class Refused:
     """An answer of the registry that the engine raises as the contract's error ``code``."""
 
-    code: str  # not_found | queue_full | kind | invalid | unavailable
+    code: str  # not_found | queue_full | kind | invalid | unavailable | conflict
     message: str
 
     def error(self) -> Exception:
@@ -38,6 +47,7 @@ class Refused:
             "kind": KindNotServed,
             "invalid": InvalidJob,
             "unavailable": Unavailable,
+            "conflict": JobStateConflict,
         }
         return kinds[self.code](self.message)
 
@@ -106,6 +116,7 @@ def spec_to_json(spec: JobSpec) -> dict[str, Any]:
         "stop": dict(spec.stop),
         "messages": None if spec.messages is None else [dict(m) for m in spec.messages],
         "prompts": None if spec.prompts is None else list(spec.prompts),
+        "priority": spec.priority,
     }
 
 
@@ -118,6 +129,7 @@ def spec_from_json(data: Mapping[str, Any]) -> JobSpec:
         dict(data["stop"]),
         None if messages is None else tuple(dict(m) for m in messages),
         None if prompts is None else tuple(prompts),
+        int(data.get("priority", 0)),
     )
 
 
