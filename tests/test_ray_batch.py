@@ -224,3 +224,43 @@ def test_a_job_stopped_while_it_waits_for_its_batch_never_starts():
         assert (await engine.get(first.id, OWNER)).to_json() == stopped.to_json()
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(300)
+def test_a_row_is_never_held_a_pause_is_a_409_and_no_preemption_hits_it():
+    """In one event loop (stand-ins for Serve handles): a row of a batch keeps no checkpoint, so the
+    registry answers its pause with a conflict that names the fix, and a waiting job of a higher
+    priority (one that samples, so it runs alone) preempts no row: the rows end with the texts they
+    have alone, then it runs."""
+    from ray_doubles import LocalHandle, construct
+
+    from stopcock.server.backends import load_backends
+    from stopcock.server.contract import JobStateConflict
+    from stopcock.server.ray_engine.registry import JobRegistry
+    from stopcock.server.ray_engine.replica import ModelReplica
+    from stopcock.server.ray_engine.wire import ModelSpec
+
+    backend = load_backends(None, None)["text"]
+
+    async def main() -> None:
+        registry = await construct(JobRegistry, {}, alive=lambda name: True)
+        replica = await construct(
+            ModelReplica, ModelSpec("text", name="demo-text", factory=lambda: backend), torch_threads=None,
+            registry=LocalHandle(registry), name="replica-0", batch_size=2, batch_wait=600.0,
+            step_delay=0.02,
+        )
+        registry.models["text"] = LocalHandle(replica)
+        engine = RayEngine(LocalHandle(registry), MODELS)
+        rows = [await engine.submit(greedy(p), OWNER) for p in PROMPTS[:2]]  # the batch is full
+        await step_reached(engine, rows[0].id, 2)
+        with pytest.raises(JobStateConflict, match=r"row of a batch.*--batch-size 1"):
+            await engine.pause(rows[0].id, OWNER)
+        sampled = JobSpec("text", PROMPTS[2], {"max_tokens": 4, "temperature": 1.0, "top_p": 1.0, "seed": 1},
+                          {}, priority=5)
+        urgent = await engine.submit(sampled, OWNER)
+        ended = [await engine.wait(view.id, OWNER, 120) for view in rows]
+        assert [(v.state, v.step, v.preemptions) for v in ended] == [("completed", TOKENS, 0)] * 2
+        assert (await engine.wait(urgent.id, OWNER, 120)).state == "completed"
+        assert (replica.batching.batches, replica.batching.batched) == (1, 2)
+
+    asyncio.run(main())
