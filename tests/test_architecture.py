@@ -249,7 +249,6 @@ MAX_CLASS_LINES, MAX_MODULE_LINES = 200, 600
 NOT_SPLIT_YET: dict[str, int] = {
     "stopcock.control.RunControl": 278,
     "stopcock.server.engine.LocalEngine": 307,
-    "stopcock.server.ray_engine.registry.JobRegistry": 509,
 }
 
 

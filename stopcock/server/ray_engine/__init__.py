@@ -24,5 +24,6 @@ that need it: importing this module does not start or need a clust
 
 Modules by job: :mod:`.wire` (what travels between the deployments: ``ModelSpec``, ``Refused``,
 the retried call), :mod:`.ingress` (``RayEngine``), :mod:`.registry` (``JobRegistry``),
-:mod:`.journal` (``Journal``), :mod:`.replica` (``ModelReplica``).
+:mod:`.journal` (``Journal``), :mod:`.replica` (``ModelReplica``); the registry's parts:
+:mod:`.records`, :mod:`.replicas`, :mod:`.dispatch`, :mod:`.stops`, :mod:`.operations`.
 """

@@ -1,14 +1,20 @@
-"""The job registry's calls for operations and tests (where a job runs, which replicas are live,
-what became of a dispatch) and its readiness per kind (``/v1/health``, the 503 of a kind with no
-ready replica): a part of :class:`~stopcock.server.ray_engine.registry.JobRegistry`."""
+"""The job registry's calls for operations and tests (counts, where a job runs, which replicas are
+live, what became of a dispatch) and its readiness per kind (the validators handed over,
+``/v1/health``, the 503 of a kind with no ready replica): a part of
+:class:`~stopcock.server.ray_engine.registry.JobRegistry`."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .wire import Refused
+
+if TYPE_CHECKING:
+    from .dispatch import Dispatcher
+    from .records import RecordBook
+    from .replicas import ReplicaSet
 
 __all__ = ["Operations"]
 
@@ -17,11 +23,26 @@ class Operations:
     """What :class:`~stopcock.server.ray_engine.registry.JobRegistry` inherits: it sets the attributes."""
 
     _jobs: dict[str, Any]
-    _replicas: dict[str, Any]
-    _replicas_changed: asyncio.Event
-    _dispatches: dict[str, asyncio.Task[Any]]
-    _settled: dict[str, str]
+    book: RecordBook
+    fleet: ReplicaSet
+    dispatcher: Dispatcher
     kinds: dict[str, dict[str, Any]]
+
+    @property
+    def refused_claims(self) -> int:
+        """How many claims were refused (the job was stopped, ended, or claimed by another)."""
+        return self.dispatcher.refused_claims
+
+    async def stats(self) -> dict[str, Any]:
+        """The counts of jobs and replicas, and each kind's readiness (``kinds``)."""
+        counts = {"queued": len(self.book.queued), **self.fleet.counts(len(self.book.jobs))}
+        return {**counts, "refused_claims": self.refused_claims, "kinds": self.kinds_ready()}
+
+    async def validator(self, kind: str, timeout: float) -> bytes | Refused | None:
+        """The pickled validator of ``kind`` (None: the backend has none), once a replica registered
+        one; refused (``unavailable``, naming why) if none did within ``timeout`` seconds."""
+        registered = await self.fleet.registered(kind, timeout)
+        return self.fleet.validators[kind] if registered else self._unavailable(kind)
 
     async def placement(self, job_id: str) -> str | None:
         """The replica (its Ray actor name) that claimed the job, if any."""
@@ -39,24 +60,21 @@ class Operations:
         there are ``at_least`` of them (or after ``timeout`` seconds)."""
         deadline = time.monotonic() + timeout
 
-        def live() -> list[dict[str, Any]]:
-            return [dict(r.__dict__) for r in self._replicas.values() if r.kind == kind]
-
-        while len(live()) < at_least and time.monotonic() < deadline:
-            self._replicas_changed.clear()
+        while self.fleet.ready(kind) < at_least and time.monotonic() < deadline:
+            self.fleet.changed.clear()
             try:
-                await asyncio.wait_for(self._replicas_changed.wait(), deadline - time.monotonic())
+                await asyncio.wait_for(self.fleet.changed.wait(), deadline - time.monotonic())
             except asyncio.TimeoutError:
                 break
-        return live()
+        return self.fleet.describe(kind)
 
     async def settled(self, job_id: str, timeout: float) -> str | None:
         """Once the job's dispatch is over (or after ``timeout`` s): what became of it (``ran``,
         ``refused``: a replica got it and could not start it, ``failed``), or None if it is not known
         (no dispatch of it in this registry, or still going)."""
-        task = self._dispatches.get(job_id)
+        task = self.dispatcher.dispatches.get(job_id)
         if task is None:
-            return self._settled.get(job_id)
+            return self.dispatcher.settled.get(job_id)
         done, _ = await asyncio.wait({task}, timeout=timeout)
         return task.result() if done else None
 
@@ -69,7 +87,7 @@ class Operations:
         }
 
     def _ready(self, kind: str) -> int:
-        return sum(1 for r in self._replicas.values() if r.kind == kind)
+        return self.fleet.ready(kind)
 
     def _unavailable(self, kind: str) -> Refused:
         about = self.kinds.get(kind, {})
