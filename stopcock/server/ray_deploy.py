@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
+from .ray_engine.journal import EVENTS_KEPT
 from .ray_engine.wire import ModelSpec
 
 __all__ = ["APP_NAME", "REGISTRY", "RayOptions", "app", "build", "model_deployment", "serve_forever"]
@@ -65,7 +66,11 @@ class RayOptions:
     for a slow step before it aborts it; None: never). ``journal_dir``: where the registry keeps
     its journal (``APP.jsonl``, after the application's name), on the registry's node: a restarted
     or redeployed registry of the same application reads it back (a shared or node-pinned folder
-    survives the registry moving to another node); None: no journal.
+    survives the registry moving to another node); None: no journal. ``journal_events``: the
+    latest events of each unfinished job that the journal keeps (0: none; a restarted registry
+    then has only the later ones). ``registry_actor_options``, ``ingress_actor_options``: Ray
+    options of the registry and ingress replicas (e.g. ``{"resources":
+    {"node:__internal_head__": 0.001}}`` keeps the registry on the head node, beside its journal).
     ``step_delay``: the test-only per-step throttle. ``torch_threads``: torch threads per model
     replica (None: torch's default).
     """
@@ -85,6 +90,9 @@ class RayOptions:
     stop_grace: float | None = 5.0
     journal_dir: str | None = field(default_factory=lambda: str(Path(tempfile.gettempdir()) / "stopcock-ray"))
     fsync: bool = False
+    journal_events: int = EVENTS_KEPT
+    registry_actor_options: Mapping[str, Any] = field(default_factory=dict)
+    ingress_actor_options: Mapping[str, Any] = field(default_factory=dict)
     step_delay: float = 0.0
     torch_threads: int | None = None
 
@@ -164,7 +172,7 @@ def build(options: RayOptions) -> Any:
         name=REGISTRY,
         num_replicas=1,
         max_ongoing_requests=REGISTRY_MAX_ONGOING,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options={"num_cpus": 0, **options.registry_actor_options},
         logging_config=QUIET,
     )(JobRegistry).bind(
         handles,
@@ -173,13 +181,14 @@ def build(options: RayOptions) -> Any:
         stop_wait=options.stop_wait,
         journal_dir=options.journal_dir,
         fsync=options.fsync,
+        journal_events=options.journal_events,
         kinds=kinds,
     )
     ingress = serve.deployment(
         name=INGRESS,
         num_replicas=options.ingress_replicas,
         max_ongoing_requests=INGRESS_MAX_ONGOING,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options={"num_cpus": 0, **options.ingress_actor_options},
     )(_ingress(list(options.api_keys), models))
     return ingress.bind(registry)
 
@@ -230,7 +239,7 @@ def app(args: Mapping[str, Any]) -> Any:
     stopcock.server.ray_deploy:app text_model=PATH``). ``args``: ``text_model``, ``image_model`` (a
     folder or hub id; neither: both demo models), ``text_name``, ``image_name``, ``api_keys`` (a list)
     or ``api_keys_file``, ``concurrency``, ``queue_size``, ``retain``, ``stop_wait``, ``stop_grace``,
-    ``journal_dir``,
+    ``journal_dir``, ``journal_events``,
     ``fsync``, ``torch_threads``, ``device`` (``auto``: a GPU when the replica has one),
     ``replica_cpus``, ``replica_gpus`` (what each model replica asks for; unset: fitted to the
     cluster). Replicas and autoscaling go in the config's ``deployments``."""
@@ -247,6 +256,7 @@ def app(args: Mapping[str, Any]) -> Any:
         "stop_wait",
         "stop_grace",
         "journal_dir",
+        "journal_events",
         "fsync",
         "torch_threads",
         "device",
@@ -270,6 +280,7 @@ def app(args: Mapping[str, Any]) -> Any:
             ("stop_wait", float),
             ("stop_grace", float),
             ("fsync", bool),
+            ("journal_events", int),
             ("replica_cpus", float),
             ("replica_gpus", float),
         ]

@@ -12,7 +12,8 @@ ordered, and a job stopped before any replica claimed it never starts. At most `
 wait for a replica; ``retain`` finished jobs are kept; a stop with ``wait`` answers once the run
 returned, or after ``stop_wait`` seconds with the job still ``stopping``. ``journal`` is the path of
 the journal, or ``journal_dir`` the folder of one named after the Serve application (None: none,
-and a restart forgets everything). ``kinds`` says, for each kind, its model deployment's name, the
+and a restart forgets everything); it keeps the latest ``journal_events`` events of each
+unfinished job. ``kinds`` says, for each kind, its model deployment's name, the
 replicas asked for and what each needs (``/v1/health`` and the answer to a submission for a kind
 with no ready replica name them). ``alive(name)`` says whether a replica actor lives (Ray's answer
 by default).
@@ -28,7 +29,7 @@ from typing import Any
 from ..contract import FINAL_STATES, JobEvent, JobSpec, JobState, JobView
 from ..jobs import Job
 from .dispatch import Dispatcher
-from .journal import Journal, Record
+from .journal import EVENTS_KEPT, Journal, Record, event_entry
 from .operations import Operations
 from .records import RecordBook
 from .replicas import ReplicaSet
@@ -52,6 +53,7 @@ class JobRegistry(Operations):
         journal: str | None = None,
         journal_dir: str | None = None,
         fsync: bool = False,
+        journal_events: int = EVENTS_KEPT,
         alive: Callable[[str], bool] | None = None,
         kinds: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
@@ -66,7 +68,7 @@ class JobRegistry(Operations):
         # the containers the journal's methods read (the parts' own, never rebound)
         self._jobs, self._queued, self._finished = self.book.jobs, self.book.queued, self.book.finished
         self._claims, self._dispatches = self.book.claims, self.dispatcher.dispatches
-        self.journal = _open_journal(journal, journal_dir, fsync)
+        self.journal = _open_journal(journal, journal_dir, fsync, journal_events)
         self.restored = self._restore() if self.journal is not None else 0
         self._spawn(self.fleet.watch())
 
@@ -141,6 +143,12 @@ class JobRegistry(Operations):
         """A batch of a replica's news: events (in order), the current views of its jobs, and the
         results of those that ended (whose ``done`` event is in ``events``)."""
         self._seen(replica)
+        if self.journal is not None:  # on disk before any follower sees them: a restart keeps them
+            self.journal.write_events(
+                (job_id, event)
+                for job_id, event in events
+                if (r := self._jobs.get(job_id)) is not None and r.claimed_by == replica and not r.job.ended
+            )
         for job_id, view in views.items():
             record = self._jobs.get(job_id)
             if record is not None and record.claimed_by == replica and not record.final:
@@ -160,6 +168,7 @@ class JobRegistry(Operations):
             record.job.put(event)
             if event.type == "done":
                 self._ended(record)
+        self._compact_if_long()
 
     async def poll(
         self, replica: str, applied: list[str], running: list[str], peak: int, busy: int, timeout: float
@@ -186,7 +195,7 @@ class JobRegistry(Operations):
     def _restore(self) -> int:
         """Rebuild the records from the journal; queued jobs are sent again (they never started)."""
         assert self.journal is not None
-        entries = self.journal.by_job()
+        entries, events = self.journal.by_job(), self.journal.events()
         for job_id, parts in entries.items():
             sub = parts["submit"]
             job = Job(spec_from_json(sub["spec"]), sub["owner"], id=job_id, created=sub["created"])
@@ -196,6 +205,8 @@ class JobRegistry(Operations):
             if record.claimed_by is not None:
                 record.job.state = "stopping" if record.stop else "running"
             self._add(record)
+            for event in events.get(job_id, ()):  # an unfinished job's events, numbered as they were
+                record.job.put(event)
             end = parts.get("end")
             if end is not None:
                 record.journaled_end = True
@@ -211,22 +222,24 @@ class JobRegistry(Operations):
                 self._end_here(record, "stopped", record.stop, "stopped while queued: it never ran")
             else:
                 self._dispatches[job_id] = self._spawn(self._dispatch(record))
-        self.journal.rewrite([e for p in entries.values() for e in p.values()])
+        kept = [event_entry(job_id, e) for job_id, es in events.items() for e in es]
+        self.journal.rewrite([e for p in entries.values() for e in p.values()] + kept)
         return len(entries)
 
     def _compact_if_long(self) -> None:
-        if self.journal is not None and self.journal.written > 8 * (self.retain + len(self._jobs)):
+        journal = self.journal
+        if journal is not None and journal.due(8 * (self.retain + len(self._jobs))):
             keep = set(self._jobs)
-            self.journal.rewrite([e for job_id in keep for e in self._jobs[job_id].entries()])
+            journal.rewrite([e for job_id in keep for e in self._jobs[job_id].entries(journal.keep_events)])
 
 
-def _open_journal(journal: str | None, journal_dir: str | None, fsync: bool) -> Journal | None:
+def _open_journal(journal: str | None, journal_dir: str | None, fsync: bool, events: int) -> Journal | None:
     """The journal at ``journal``, or one named after the Serve application in ``journal_dir``."""
     if journal is None and journal_dir is not None:
         from ray import serve
 
         journal = str(Path(journal_dir) / f"{serve.get_replica_context().app_name}.jsonl")
-    return None if journal is None else Journal(journal, fsync=fsync)
+    return None if journal is None else Journal(journal, fsync=fsync, events=events)
 
 
 def _actor_alive(name: str) -> bool:
