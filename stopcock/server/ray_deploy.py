@@ -375,7 +375,9 @@ def serve_forever(args: argparse.Namespace, keys: Sequence[str], step_delay: flo
         options.journal_dir = tempfile.mkdtemp(prefix="stopcock-ray-journal-")
     if started_here:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private cluster on this machine
-        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+        # address="local": a cluster of its own, never one that a plain ray.init() would join (another
+        # local cluster's address file), whose Serve this command would replace and shut down
+        ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
     else:
         ray.init(address=args.ray_address, log_to_driver=False, configure_logging=False)
     serving = False
