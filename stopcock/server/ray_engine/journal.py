@@ -36,7 +36,8 @@ class Journal:
 
     Each entry is written and flushed to the operating system before the registry acknowledges what
     it records, so a registry process that dies (and is restarted by Serve) reads back every stop it
-    acknowledged. ``fsync=True`` also survives the machine's crash, at a disk sync per write. On
+    acknowledged. ``fsync=True`` also survives the machine's crash, at a disk sync per entry (not
+    per batch of events: they are synced with the next entry, so a crash can lose the latest). On
     opening, the log is read back and rewritten with only what is still needed (compaction).
 
     Events are bounded: an unfinished job keeps its latest ``events`` events (``started``,
@@ -105,16 +106,17 @@ class Journal:
         self._write_lines([{"op": op, **fields}])
 
     def write_events(self, events: Iterable[tuple[str, JobEvent]]) -> None:
-        """Journal jobs' events, ``(job_id, event)`` (those :func:`journaled` keeps), with one flush."""
+        """Journal jobs' events, ``(job_id, event)`` (those :func:`journaled` keeps), with one flush
+        and never a disk sync of their own (the next entry's sync takes them along)."""
         if self.keep_events:
-            self._write_lines([event_entry(job_id, e) for job_id, e in events if journaled(e)])
+            self._write_lines([event_entry(job_id, e) for job_id, e in events if journaled(e)], sync=False)
 
-    def _write_lines(self, entries: list[dict[str, Any]]) -> None:
+    def _write_lines(self, entries: list[dict[str, Any]], sync: bool = True) -> None:
         if not entries:
             return
         self._file.writelines(json.dumps(e, separators=(",", ":")) + "\n" for e in entries)
         self._file.flush()
-        if self.fsync:
+        if self.fsync and sync:
             os.fsync(self._file.fileno())
         self.written += len(entries)
 
