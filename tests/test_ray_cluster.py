@@ -47,11 +47,12 @@ SLOT = "stopcock_text_slot"  # one per worker node: each takes one text model re
 HEAD = "node:__internal_head__"
 LONG = 1000  # tokens (the most a job may ask for): a job that runs until it is stopped
 FINAL = ("stopped", "completed", "failed")
-WAIT_S = 240  # the bound of every wait for the cluster (a replica replaced, a registry restarted)
+WAIT_S = 240  # the bound of every wait for the cluster (a job's end, a registry restarted)
+HEAL_S = 480  # the bound of the wait for Serve's replacement of a replica (a new process loads the model)
 
 
 @pytest.fixture(scope="module")
-def on_cluster(text_model_dir, tmp_path_factory) -> Iterator[types.SimpleNamespace]:
+def on_cluster(text_model_dir, tmp_path_factory, request) -> Iterator[types.SimpleNamespace]:
     """The stopcock application (text only: 2 model replicas of 2 pipelines each, 1 ingress replica)
     on a cluster of a head node and two worker nodes, started here and shut down at the end."""
     os.environ["RAY_AUTH_MODE"] = "disabled"  # a private cluster: no token file
@@ -66,7 +67,7 @@ def on_cluster(text_model_dir, tmp_path_factory) -> Iterator[types.SimpleNamespa
         pytest.fail("the cluster tests need a pytest process of their own: run them with make test-cluster")
     # Ray's folder of its own, so that the cluster's address file is not where a plain ray.init()
     # elsewhere on this machine (another test run, a stopcock serve) looks for a cluster to join
-    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="stopcock-cluster-", dir="/tmp")
+    folder = os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="stopcock-cluster-", dir="/tmp")
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 1, "include_dashboard": False, "object_store_memory": 100 * 2**20},
@@ -97,13 +98,16 @@ def on_cluster(text_model_dir, tmp_path_factory) -> Iterator[types.SimpleNamespa
             workers=workers,
             url=f"http://127.0.0.1:{port}",
             registry=serve.get_deployment_handle(REGISTRY, APP),
+            logs=folder,
         )
     finally:
         if connected:
             serve.shutdown()
         ray.shutdown()
         cluster.shutdown()
-        shutil.rmtree(os.environ.pop("RAY_TMPDIR"), ignore_errors=True)
+        os.environ.pop("RAY_TMPDIR")
+        if not request.session.testsfailed:  # else its logs are kept there (the failures name it)
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture
@@ -191,9 +195,21 @@ def running_on_all(client: httpx.Client, on_cluster: Any, count: int = 4) -> dic
 
 def replicas(on_cluster: Any, count: int = 2) -> list[str]:
     """The live text model replicas, once there are ``count`` (Serve replaces a dead one)."""
-    found = [r["name"] for r in call(on_cluster, "replicas", "text", count, WAIT_S)]
-    assert len(found) == count, f"{count} text replicas asked for, {len(found)} live: {found}"
+    live = on_cluster.registry.replicas.remote("text", count, HEAL_S).result(timeout_s=HEAL_S + WAIT_S)
+    found = [r["name"] for r in live]
+    assert len(found) == count, f"{count} asked for, {len(found)} live: {found}; {cluster_state(on_cluster)}"
     return found
+
+
+def cluster_state(on_cluster: Any) -> str:
+    """What Serve says of the model deployment, the alive nodes' resources, and where the logs are."""
+    import ray
+    from ray import serve
+
+    deployment = serve.status().applications[APP].deployments["TextModel"]
+    nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+    serving = f"TextModel {getattr(deployment.status, 'value', deployment.status)}: {deployment.message!r}"
+    return f"{serving}; nodes: {nodes}; Ray's logs: {on_cluster.logs}"
 
 
 def stop_all(client: httpx.Client, jobs: list[str]) -> None:
@@ -219,6 +235,7 @@ def failed_with(view: dict[str, Any], replica: str) -> bool:
 # -- the tests -----------------------------------------------------------------------------------------
 def test_the_model_replicas_are_spread_over_the_worker_nodes(on_cluster, client):
     names = replicas(on_cluster)
+    assert cluster_state(on_cluster).startswith("TextModel HEALTHY")  # what Serve says, too
     workers = {node.node_id for node in on_cluster.workers}
     assert {node_of(name) for name in names} == workers  # one on each worker node
     head = on_cluster.cluster.head_node.node_id
