@@ -7,7 +7,7 @@ resource per node that one replica takes, so the placement is known). What fails
   one whose stop was accepted while the replica's process was frozen (so the stop could not reach
   the run: it is not lost, the job does not stay ``stopping``); the other node's jobs run on;
 - a whole node removed mid-job: the same (a stop accepted just before ends its job ``stopped`` or
-  ``failed``), and Serve places the replacement on a node added later;
+  ``failed``), and Serve places the replacement on a spare node;
 - the registry killed (Serve restarts it): states, stops, results and the events of running jobs
   are read back from its journal;
 - stops before a job's claim (tombstones) and ids chosen by the registry's caller across nodes.
@@ -288,11 +288,15 @@ def test_a_node_removed_mid_job_fails_its_jobs_and_loses_no_accepted_stop(on_clu
     lost_replica = next(r for r in where if node_of(r) == on_cluster.workers[0].node_id)
     other = next(r for r in where if r != lost_replica)
     asked, plain = where[lost_replica]
+    # a spare node, with a free slot for the replacement (as a cluster with room to spare has): Serve
+    # places it there once the replica is gone
+    spare = on_cluster.cluster.add_node(num_cpus=1, resources={SLOT: 1})
     accepted = call(on_cluster, "stop", asked, OWNER, "user", False)
     assert accepted.state in ("stopping", "stopped")
 
     lost = on_cluster.workers.pop(0)
     on_cluster.cluster.remove_node(lost)  # the raylet and every process of the node: the replica with it
+    on_cluster.workers.append(spare)
 
     failed = final(client, plain)
     assert failed_with(failed, lost_replica), failed
@@ -303,8 +307,6 @@ def test_a_node_removed_mid_job_fails_its_jobs_and_loses_no_accepted_stop(on_clu
         assert wait_for_step(client, job, reached + 2)[-1]["step"] > reached
     stop_all(client, where[other])
 
-    # the replacement waits for a node with a free slot: one is added, and Serve places it there
-    on_cluster.workers.append(on_cluster.cluster.add_node(num_cpus=1, resources={SLOT: 1}))
     healed = replicas(on_cluster)
     assert lost_replica not in healed
     assert {node_of(n) for n in healed} == {n.node_id for n in on_cluster.workers}
