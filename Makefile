@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 # (PIP_EXTRA_INDEX_URL) or override TORCH; pyproject.toml itself only asks for torch>=2.1.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo-setup demo test docs wheel-smoke soak lint bench gpu-check coverage browser valgrind clean
+.PHONY: setup demo-setup demo test test-cluster docs wheel-smoke soak lint bench gpu-check coverage browser valgrind clean
 
 # Two sets, each with its stamp: `make demo` installs what the demo needs (the extras transformers,
 # diffusers and server: pyproject.toml says what each brings), `make test` the development set on top
@@ -34,8 +34,15 @@ demo: demo-setup
 
 test: setup browser valgrind docs wheel-smoke
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m cluster tests/test_ray_cluster.py
 	$(BIN)/ruff check stopcock tests bench tiny examples docs/_hooks _stopcock_launch.py
 	$(BIN)/mypy
+
+# The Ray engine on a Ray cluster of three nodes on this machine: a replica killed, a node removed,
+# the registry restarted (tests/test_ray_cluster.py). A pytest process of its own (a test session
+# holds one Ray cluster), so marked `cluster` and left out of the plain pytest run; make test runs it.
+test-cluster: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m cluster tests/test_ray_cluster.py
 
 # The documentation site, built strictly (any warning fails) and offline: the CLI and HTTP API pages
 # are generated from the code as it builds (docs/_hooks/generated.py). The site lands in site/.

@@ -125,3 +125,18 @@ def test_a_blank_key_is_refused(capsys):
     assert "cannot be empty or blank" in capsys.readouterr().err
     with pytest.raises(ValueError, match="non-empty"):
         Keys(["good", ""])  # create_app(engine, api_keys=...) refuses it too
+
+
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        (["--replicas", "2"], "--replicas"),
+        (["--checkpoint-dir", "/tmp", "--wait-for-resources"], "--wait-for-resources, --checkpoint-dir"),
+    ],
+)
+def test_ray_options_on_the_local_engine_are_an_error_naming_the_fix(capsys, extra, named):
+    from stopcock.server.serve import main
+
+    assert main(["--port", "0", *extra]) == 1  # before any model is loaded
+    err = capsys.readouterr().err
+    assert f"{named}: Ray Serve options; add --engine ray, or drop them" in err

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
+from .ray_engine.journal import EVENTS_KEPT
 from .ray_engine.wire import ModelSpec
 
 __all__ = ["APP_NAME", "REGISTRY", "RayOptions", "app", "build", "model_deployment", "serve_forever"]
@@ -66,7 +67,11 @@ class RayOptions:
     for a slow step before it aborts it; None: never). ``journal_dir``: where the registry keeps
     its journal (``APP.jsonl``, after the application's name), on the registry's node: a restarted
     or redeployed registry of the same application reads it back (a shared or node-pinned folder
-    survives the registry moving to another node); None: no journal.
+    survives the registry moving to another node); None: no journal. ``journal_events``: the
+    latest events of each unfinished job that the journal keeps (0: none; a restarted registry
+    then has only the later ones). ``registry_actor_options``, ``ingress_actor_options``: Ray
+    options of the registry and ingress replicas (e.g. ``{"resources":
+    {"node:__internal_head__": 0.001}}`` keeps the registry on the head node, beside its journal).
     ``step_delay``: the test-only per-step throttle. ``torch_threads``: torch threads per model
     replica (None: torch's default). ``batch_size``, ``batch_wait`` (seconds): each text model
     replica runs up to ``batch_size`` concurrent greedy text jobs as the rows of one ``generate``,
@@ -91,6 +96,9 @@ class RayOptions:
     stop_grace: float | None = 5.0
     journal_dir: str | None = field(default_factory=lambda: str(Path(tempfile.gettempdir()) / "stopcock-ray"))
     fsync: bool = False
+    journal_events: int = EVENTS_KEPT
+    registry_actor_options: Mapping[str, Any] = field(default_factory=dict)
+    ingress_actor_options: Mapping[str, Any] = field(default_factory=dict)
     step_delay: float = 0.0
     torch_threads: int | None = None
     batch_size: int = 1
@@ -183,7 +191,7 @@ def build(options: RayOptions) -> Any:
         name=REGISTRY,
         num_replicas=1,
         max_ongoing_requests=REGISTRY_MAX_ONGOING,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options={"num_cpus": 0, **options.registry_actor_options},
         logging_config=QUIET,
     )(JobRegistry).bind(
         handles,
@@ -192,6 +200,7 @@ def build(options: RayOptions) -> Any:
         stop_wait=options.stop_wait,
         journal_dir=options.journal_dir,
         fsync=options.fsync,
+        journal_events=options.journal_events,
         kinds=kinds,
         checkpoint_dir=options.checkpoint_dir,
     )
@@ -199,7 +208,7 @@ def build(options: RayOptions) -> Any:
         name=INGRESS,
         num_replicas=options.ingress_replicas,
         max_ongoing_requests=INGRESS_MAX_ONGOING,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options={"num_cpus": 0, **options.ingress_actor_options},
     )(_ingress(list(options.api_keys), models))
     return ingress.bind(registry)
 
@@ -250,7 +259,8 @@ def app(args: Mapping[str, Any]) -> Any:
     stopcock.server.ray_deploy:app text_model=PATH``). ``args``: ``text_model``, ``image_model`` (a
     folder or hub id; neither: both demo models), ``text_name``, ``image_name``, ``api_keys`` (a list)
     or ``api_keys_file``, ``concurrency``, ``queue_size``, ``retain``, ``stop_wait``, ``stop_grace``,
-    ``journal_dir``, ``checkpoint_dir`` (where held jobs' checkpoints go; unset: the object store),
+    ``journal_dir``, ``journal_events``, ``checkpoint_dir`` (where held jobs' checkpoints go; unset: the
+    object store),
     ``fsync``, ``torch_threads``, ``device`` (``auto``: a GPU when the replica has one),
     ``replica_cpus``, ``replica_gpus`` (what each model replica asks for; unset: fitted to the
     cluster), ``batch_size``, ``batch_wait_ms`` (batches of greedy text jobs). Replicas and
@@ -269,6 +279,7 @@ def app(args: Mapping[str, Any]) -> Any:
         "stop_grace",
         "journal_dir",
         "checkpoint_dir",
+        "journal_events",
         "fsync",
         "torch_threads",
         "device",
@@ -294,6 +305,7 @@ def app(args: Mapping[str, Any]) -> Any:
             ("stop_wait", float),
             ("stop_grace", float),
             ("fsync", bool),
+            ("journal_events", int),
             ("replica_cpus", float),
             ("replica_gpus", float),
             ("batch_size", int),
@@ -388,6 +400,7 @@ def serve_forever(args: argparse.Namespace, keys: Sequence[str], step_delay: flo
         replica_gpus=args.replica_gpus,
         batch_size=getattr(args, "batch_size", 1),
         batch_wait=getattr(args, "batch_wait_ms", 0.0) / 1000,
+        checkpoint_dir=getattr(args, "checkpoint_dir", None),
     )
     port = args.port or _free_port(args.host)
     started_here = args.ray_address is None
@@ -395,7 +408,9 @@ def serve_forever(args: argparse.Namespace, keys: Sequence[str], step_delay: flo
         options.journal_dir = tempfile.mkdtemp(prefix="stopcock-ray-journal-")
     if started_here:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private cluster on this machine
-        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+        # address="local": a cluster of its own, never one that a plain ray.init() would join (another
+        # local cluster's address file), whose Serve this command would replace and shut down
+        ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
     else:
         ray.init(address=args.ray_address, log_to_driver=False, configure_logging=False)
     serving = False

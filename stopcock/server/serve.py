@@ -122,6 +122,11 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="serve even when the cluster cannot place every model replica yet, and wait for them (default:"
         " exit at once with what is missing)",
     )
+    ray.add_argument(
+        "--checkpoint-dir", metavar="DIR",
+        help="keep paused and preempted jobs' checkpoints in this folder, which every model replica must be"
+        " able to read (default: the Ray object store)",
+    )
     parser.set_defaults(func=serve)
     return parser
 
@@ -186,12 +191,32 @@ def serve(args: argparse.Namespace) -> int:
 
                 serve_forever(args, keys, step_delay=_step_delay())
                 return 0
+            _no_ray_options(args)
             backends = _load(args, keys)
             _run(args, keys, backends, sock)
         except UserError as exc:
             print(f"stopcock serve: error: {exc}", file=sys.stderr)
             return 1
     return 0
+
+
+def _no_ray_options(args: argparse.Namespace) -> None:
+    """A Ray option given to the local engine is an error that names the fix, not a silent no-op."""
+    given = [
+        flag
+        for flag, value, default in (
+            ("--ray-address", args.ray_address, None),
+            ("--replicas", args.replicas, 1),
+            ("--ingress-replicas", args.ingress_replicas, 1),
+            ("--replica-cpus", args.replica_cpus, None),
+            ("--replica-gpus", args.replica_gpus, None),
+            ("--wait-for-resources", args.wait_for_resources, False),
+            ("--checkpoint-dir", args.checkpoint_dir, None),
+        )
+        if value != default
+    ]
+    if given:
+        raise UserError(f"{', '.join(given)}: Ray Serve options; add --engine ray, or drop them")
 
 
 def _step_delay() -> float:

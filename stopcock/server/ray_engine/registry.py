@@ -5,7 +5,7 @@ replicas'); its parts do the bookkeeping: the record book (:class:`~.records.Rec
 queue bound, claims, ends, retention), the replica set (:class:`~.replicas.ReplicaSet`:
 registrations, long polls, liveness), the dispatcher (:class:`~.dispatch.Dispatcher`: intake, sends
 and claims), the stops (:class:`~.stops.Stops`), the holds (:class:`~.holds.Holds`: pause, resume,
-preemption) and the journal (:class:`~.journal.Journal`).
+preemption), the journal (:class:`~.journal.Journal`) and its reading back (:mod:`~.restore`).
 
 ``models`` maps each kind to the handle of its model deployment. Everything runs on one event
 loop, so each call is atomic up to its first ``await``: a claim and a stop of the same job are
@@ -13,7 +13,8 @@ ordered, and a job stopped before any replica claimed it never starts. At most `
 wait for a replica; ``retain`` finished jobs are kept; a stop with ``wait`` answers once the run
 returned, or after ``stop_wait`` seconds with the job still ``stopping``. ``journal`` is the path of
 the journal, or ``journal_dir`` the folder of one named after the Serve application (None: none,
-and a restart forgets everything). ``kinds`` says, for each kind, its model deployment's name, the
+and a restart forgets everything); it keeps the latest ``journal_events`` events of each
+unfinished job. ``kinds`` says, for each kind, its model deployment's name, the
 replicas asked for and what each needs (``/v1/health`` and the answer to a submission for a kind
 with no ready replica name them). ``alive(name)`` says whether a replica actor lives (Ray's answer
 by default).
@@ -26,17 +27,17 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..contract import FINAL_STATES, JobEvent, JobSpec, JobState, JobView
-from ..jobs import Job
+from ..contract import FINAL_STATES, JobEvent, JobSpec, JobView
 from .checkpoints import store_for
 from .dispatch import Dispatcher
 from .holds import Holds
-from .journal import Journal, Record
+from .journal import EVENTS_KEPT, Journal, Record
 from .operations import Operations
 from .records import RecordBook
 from .replicas import ReplicaSet
+from .restore import compact_if_long, restore
 from .stops import Stops
-from .wire import Refused, detached, spec_from_json
+from .wire import Refused, detached
 
 __all__ = ["JobRegistry"]
 
@@ -55,6 +56,7 @@ class JobRegistry(Operations):
         journal: str | None = None,
         journal_dir: str | None = None,
         fsync: bool = False,
+        journal_events: int = EVENTS_KEPT,
         alive: Callable[[str], bool] | None = None,
         kinds: Mapping[str, Mapping[str, Any]] | None = None,
         checkpoint_dir: str | None = None,
@@ -68,10 +70,8 @@ class JobRegistry(Operations):
         self.dispatcher = Dispatcher(self.models, self.book, self.fleet, self._spawn)
         self.stops = Stops(self.book, self.fleet, stop_wait)
         self.holds = Holds(self.book, self.fleet, store_for(checkpoint_dir), self.dispatcher, stop_wait)
-        # the containers the journal's methods read (the parts' own, never rebound)
-        self._jobs, self._queued, self._finished = self.book.jobs, self.book.queued, self.book.finished
-        self._claims, self._dispatches = self.book.claims, self.dispatcher.dispatches
-        self.journal = _open_journal(journal, journal_dir, fsync)
+        self._jobs, self._dispatches = self.book.jobs, self.dispatcher.dispatches  # never rebound
+        self.journal = _open_journal(journal, journal_dir, fsync, journal_events)
         self.restored = self._restore() if self.journal is not None else 0
         self._spawn(self.fleet.watch())
 
@@ -165,6 +165,12 @@ class JobRegistry(Operations):
         self._seen(replica)
         if batch is not None and replica in self.fleet.replicas:
             self.fleet.replicas[replica].batch = dict(batch)
+        if self.journal is not None:  # on disk before any follower sees them: a restart keeps them
+            self.journal.write_events(
+                (job_id, event)
+                for job_id, event in events
+                if (r := self._jobs.get(job_id)) is not None and r.claimed_by == replica and not r.job.ended
+            )
         for job_id, view in views.items():
             record = self._jobs.get(job_id)
             if record is not None and record.claimed_by == replica and not record.final:
@@ -185,6 +191,7 @@ class JobRegistry(Operations):
             self.holds.reported(record, replica, event, results.get(job_id))
             if event.type == "done":
                 self._ended(record)
+        self._compact_if_long()
 
     async def poll(
         self, replica: str, applied: list[str], running: list[str], peak: int, busy: int, timeout: float
@@ -192,66 +199,30 @@ class JobRegistry(Operations):
         """A replica's long poll (see :meth:`.replicas.ReplicaSet.poll`)."""
         return await self.fleet.poll(replica, applied, running, peak, busy, timeout)
 
-    # -- what the journal's methods call ------------------------------------------------------------
-    def _add(self, record: Record) -> None:
-        self.book.add(record)
-
+    # -- what the report calls ----------------------------------------------------------------------
     def _seen(self, replica: str) -> None:
         self.fleet.seen(replica)
-
-    def _dispatch(self, record: Record) -> Awaitable[str]:
-        return self.dispatcher.run(record)
-
-    def _end_here(self, record: Record, state: JobState, reason: str, detail: str) -> None:
-        self.book.end(record, state, reason, detail)
 
     def _ended(self, record: Record) -> None:
         self.book.ended(record)
 
     def _restore(self) -> int:
-        """Rebuild the records from the journal; queued jobs are sent again (they never started)."""
+        """Rebuild the records from the journal (see :func:`.restore.restore`)."""
         assert self.journal is not None
-        entries = self.journal.by_job()
-        for job_id, parts in entries.items():
-            sub = parts["submit"]
-            job = Job(spec_from_json(sub["spec"]), sub["owner"], id=job_id, created=sub["created"])
-            record = Record(job, sub["position"])
-            record.claimed_by = parts.get("claim", {}).get("replica")
-            record.stop = parts.get("stop", {}).get("reason")
-            if record.claimed_by is not None:
-                record.job.state = "stopping" if record.stop else "running"
-            self._add(record)
-            end = parts.get("end")
-            if end is not None:
-                record.journaled_end = True
-                record.job.result = end["result"]
-                record.job.apply(end["view"])
-                record.job.put(JobEvent(end["done"], "done", end["view"]))
-                self._queued.discard(job_id)
-                self._finished.append(job_id)
-            elif record.claimed_by is not None:
-                self._claims[record.claimed_by].add(job_id)
-            elif record.stop is not None:  # stopped unclaimed, and the registry died before writing the end
-                record.job.request_stop(record.stop)
-                self._end_here(record, "stopped", record.stop, "stopped while queued: it never ran")
-            else:
-                self._dispatches[job_id] = self._spawn(self._dispatch(record))
-        self.journal.rewrite([e for p in entries.values() for e in p.values()])
-        return len(entries)
+        return restore(self.journal, self.book, self.dispatcher, self._spawn)
 
     def _compact_if_long(self) -> None:
-        if self.journal is not None and self.journal.written > 8 * (self.retain + len(self._jobs)):
-            keep = set(self._jobs)
-            self.journal.rewrite([e for job_id in keep for e in self._jobs[job_id].entries()])
+        if self.journal is not None:
+            compact_if_long(self.journal, self.book, self.retain)
 
 
-def _open_journal(journal: str | None, journal_dir: str | None, fsync: bool) -> Journal | None:
+def _open_journal(journal: str | None, journal_dir: str | None, fsync: bool, events: int) -> Journal | None:
     """The journal at ``journal``, or one named after the Serve application in ``journal_dir``."""
     if journal is None and journal_dir is not None:
         from ray import serve
 
         journal = str(Path(journal_dir) / f"{serve.get_replica_context().app_name}.jsonl")
-    return None if journal is None else Journal(journal, fsync=fsync)
+    return None if journal is None else Journal(journal, fsync=fsync, events=events)
 
 
 def _actor_alive(name: str) -> bool:
