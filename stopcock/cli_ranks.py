@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from .cli_args import number
 from .errors import UsageError, UserError
 from .loading import load_text_model
-from .local_ranks import LocalGroup, check_shardable, follow, join, report_of
+from .local_ranks import LocalGroup, check_shardable, report_of, worker_main
 from .outcome import Outcome
 from .ranks import RanksError, group_of
 from .types import Mode
@@ -153,26 +153,17 @@ def _decode(value: Any) -> Any:
 def main(argv: Sequence[str] | None = None) -> int:
     """A worker rank (``python -m stopcock.cli_ranks MODEL``, started by rank 0): join the group, load
     the shard, make each run rank 0 posts."""
-    from transformers.utils import logging
-
     from .runner import run
 
-    (spec,) = sys.argv[1:] if argv is None else argv
-    store, rank = join()
-    logging.set_verbosity_error()  # rank 0 says what needs saying
-    logging.disable_progress_bar()
-    try:
-        model, tokenizer = load_text_model(spec, sharded=True)
-    except UserError as exc:
-        print(f"stopcock: rank {rank}: error: {exc}", file=sys.stderr)
-        return 1
+    def executor(model: Any, tokenizer: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
+        def execute(message: dict[str, Any]) -> dict[str, Any]:
+            args = [_decode(a) for a in message["args"]]
+            kwargs = {k: _decode(v) for k, v in message["kwargs"].items()}
+            return report_of(run(model, *args, mode=message["mode"], tokenizer=tokenizer, **kwargs))
 
-    def execute(message: dict[str, Any]) -> dict[str, Any]:
-        args = [_decode(a) for a in message["args"]]
-        kwargs = {k: _decode(v) for k, v in message["kwargs"].items()}
-        return report_of(run(model, *args, mode=message["mode"], tokenizer=tokenizer, **kwargs))
+        return execute
 
-    return follow(store, rank, execute)
+    return worker_main(argv, "stopcock", executor)
 
 
 if __name__ == "__main__":

@@ -219,6 +219,31 @@ def join() -> tuple[Any, int]:
     return store, rank
 
 
+def worker_main(
+    argv: Sequence[str] | None,
+    command: str,
+    executor: Callable[[Any, Any], Callable[[dict[str, Any]], dict[str, Any]]],
+) -> int:
+    """A worker rank's life (``python -m MODULE MODEL``, started by rank 0): join the group, load its
+    shard of MODEL quietly (rank 0 says what needs saying), then make each run rank 0 posts with
+    ``executor(model, tokenizer)``. A model that cannot load is a one-line error naming ``command``
+    and the rank (exit status 1)."""
+    from transformers.utils import logging
+
+    from .loading import load_text_model
+
+    (spec,) = sys.argv[1:] if argv is None else argv
+    store, rank = join()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        model, tokenizer = load_text_model(spec, sharded=True)
+    except UserError as exc:
+        print(f"{command}: rank {rank}: error: {exc}", file=sys.stderr)
+        return 1
+    return follow(store, rank, executor(model, tokenizer))
+
+
 def follow(store: Any, rank: int, execute: Callable[[dict[str, Any]], dict[str, Any]]) -> int:
     """A worker's loop: make each run rank 0 posts (``execute(message)`` returns the report) until
     the group ends; returns the process's exit status (1: the group broke, said on stderr)."""

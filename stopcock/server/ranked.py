@@ -28,7 +28,7 @@ from ..conditions import from_options
 from ..errors import UserError
 from ..events import RowDecoder
 from ..loading import load_text_model
-from ..local_ranks import LocalGroup, check_shardable, follow, join, report_of
+from ..local_ranks import LocalGroup, check_shardable, report_of, worker_main
 from ..outcome import Outcome
 from ..ranks import RanksError, group_of
 from ..runner import run
@@ -195,23 +195,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """A worker rank (``python -m stopcock.server.ranked MODEL``, started by the server): join the
     group, load the shard, make each run rank 0 posts."""
     from transformers import pipeline
-    from transformers.utils import logging
 
-    (spec,) = sys.argv[1:] if argv is None else argv
-    store, rank = join()
-    logging.set_verbosity_error()  # the server says what needs saying
-    logging.disable_progress_bar()
-    try:
-        lm, tokenizer = load_text_model(spec, sharded=True)
-    except UserError as exc:
-        print(f"stopcock serve: rank {rank}: error: {exc}", file=sys.stderr)
-        return 1
-    pipe = pipeline("text-generation", model=lm, tokenizer=tokenizer)
+    def executor(lm: Any, tokenizer: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
+        pipe = pipeline("text-generation", model=lm, tokenizer=tokenizer)
+        return lambda message: report_of(_generate(pipe, message["prompt"], message["params"]))
 
-    def execute(message: dict[str, Any]) -> dict[str, Any]:
-        return report_of(_generate(pipe, message["prompt"], message["params"]))
-
-    return follow(store, rank, execute)
+    return worker_main(argv, "stopcock serve", executor)
 
 
 if __name__ == "__main__":
