@@ -51,6 +51,16 @@ class CheckpointStore(Protocol):
         """The checkpoint is no longer needed (the job was held again, or ended)."""
         ...
 
+    def lasting(self, handle: Any) -> str | None:
+        """On the registry: what the journal keeps of ``handle`` when the checkpoint outlives the
+        registry (a file's path), else None (it is lost with the registry)."""
+        ...
+
+    def found(self, saved: str | None) -> Any:
+        """On a restarted registry: the handle of a checkpoint the journal kept (``saved``: what
+        :meth:`lasting` gave), if it is still there; else None."""
+        ...
+
 
 def to_bytes(checkpoint: Checkpoint) -> bytes:
     with tempfile.TemporaryDirectory(prefix="stopcock-ckpt-") as folder:
@@ -87,6 +97,12 @@ class ObjectStore:
     def drop(self, handle: Any) -> None:
         """Nothing to do: the object goes with the registry's last reference to it."""
 
+    def lasting(self, handle: Any) -> str | None:
+        return None  # the registry owns the object: a restarted registry has lost it
+
+    def found(self, saved: str | None) -> Any:
+        return None
+
 
 class FolderStore:
     """Checkpoints as files in ``folder``, a folder every model replica can read (a shared folder on a
@@ -109,6 +125,12 @@ class FolderStore:
 
     def drop(self, handle: Any) -> None:
         Path(handle).unlink(missing_ok=True)
+
+    def lasting(self, handle: Any) -> str | None:
+        return str(handle)
+
+    def found(self, saved: str | None) -> Any:
+        return saved if saved is not None and Path(saved).is_file() else None
 
 
 def store_for(checkpoint_dir: str | None) -> CheckpointStore:

@@ -19,6 +19,7 @@ from ..jobs import wait_until
 from ..queueing import Running, RunQueue
 from .checkpoints import CheckpointStore, Stored, store_errors
 from .dispatch import Dispatcher
+from .hold_log import HoldLog
 from .journal import Record
 from .records import RecordBook
 from .replicas import ReplicaSet
@@ -52,6 +53,7 @@ class Holds:
         self.store = store
         self.dispatcher = dispatcher
         self.hold_wait = hold_wait
+        self.log = HoldLog(book, store)  # the holds in the journal: they survive a restart
         self.asked: set[str] = set()
         self.rows: set[str] = set()  # jobs running as rows of a batch: no checkpoint, never held
         book.on_end, dispatcher.outranked, dispatcher.waiting = self.ended, self.outranked, waiting
@@ -74,8 +76,7 @@ class Holds:
         job.pause_wanted = True
         if waiting(record):
             self.book.queued.discard(job_id)
-            with job.lock:
-                job.state = PAUSED
+            self.log.put(record, PAUSED)
             job.emit(PAUSED, step=job.step, checkpoint_step=job.view().checkpoint_step)
         elif job.state == "running":
             self._ask(record, PAUSED)
@@ -93,8 +94,7 @@ class Holds:
         if job.state != PAUSED:
             return job.view()
         job.pause_wanted = False
-        with job.lock:
-            job.state = "queued"
+        self.log.put(record, "queued")
         self.book.queued.add(job_id)
         job.emit("resumed", position=len(self.book.queued), checkpoint_step=job.view().checkpoint_step)
         self.dispatcher.send(record)
@@ -127,14 +127,12 @@ class Holds:
         job.saved_steps = int(news["saved_steps"])
         record.claimed_by = None
         self.book.claims[replica].discard(job.id)
-        self.book.write("claim", id=job.id, replica=None)  # a restarted registry runs it again
         state = PAUSED if job.pause_wanted else event.type
-        with job.lock:
-            job.state = state
         if state == PREEMPTED:
             job.preemptions += 1
             self.book.queued.add(job.id)
-        elif event.type != PAUSED:  # preempted there, but paused here meanwhile: the pause wins
+        self.log.put(record, state, released=True)  # a restarted registry holds it as it is now
+        if state == PAUSED and event.type != PAUSED:  # preempted there, but paused here: the pause wins
             job.emit(PAUSED, step=job.step, checkpoint_step=news["steps"])
         job.changes.bump()
 

@@ -31,8 +31,8 @@ def journaled(event: JobEvent) -> bool:
 
 
 class Journal:
-    """The registry's append-only log (JSON lines): jobs submitted, claimed, stopped, ended, forgotten,
-    and the events of unfinished jobs.
+    """The registry's append-only log (JSON lines): jobs submitted, claimed, held, stopped, ended,
+    forgotten, and the events of unfinished jobs.
 
     Each entry is written and flushed to the operating system before the registry acknowledges what
     it records, so a registry process that dies (and is restarted by Serve) reads back every stop it
@@ -154,6 +154,7 @@ class Record:
         self.stop_applied = False  # the replica said it applied the stop
         self.asks: list[tuple[str, str]] = []  # (action, reason) for its replica: "skip", "after_item"
         self.journaled_end = False
+        self.hold: dict[str, Any] | None = None  # the latest ``hold`` entry (see :mod:`.hold_log`)
 
     @property
     def final(self) -> bool:
@@ -177,6 +178,8 @@ class Record:
             entries.append({"op": "claim", "id": job.id, "replica": self.claimed_by})
         if self.stop is not None:
             entries.append({"op": "stop", "id": job.id, "reason": self.stop})
+        if self.hold is not None and not self.journaled_end:
+            entries.append(self.hold)
         if not self.journaled_end and events:
             entries += [event_entry(job.id, e) for e in self.latest_events(events)]
         if self.journaled_end:

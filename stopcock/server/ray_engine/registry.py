@@ -209,7 +209,7 @@ class JobRegistry(Operations):
     def _restore(self) -> int:
         """Rebuild the records from the journal (see :func:`.restore.restore`)."""
         assert self.journal is not None
-        return restore(self.journal, self.book, self.dispatcher, self._spawn)
+        return restore(self.journal, self.book, self.dispatcher, self._spawn, self.holds.log)
 
     def _compact_if_long(self) -> None:
         if self.journal is not None:

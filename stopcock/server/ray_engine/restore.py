@@ -3,8 +3,10 @@
 
 Invariants: a restored job is in the state its journal entries say, and nowhere else; a job that
 never started is sent again; a job stopped while it waited, whose end was never written, ends here
-as stopped (it never runs); the events of an unfinished job come back numbered as they were. The
-journal is rewritten from what was restored, so the entries of forgotten jobs go.
+as stopped (it never runs again); a held job comes back held (paused: never run unasked; preempted,
+or resumed: sent again), with its checkpoint if that survived, else saying it was lost
+(:mod:`.hold_log`); the events of an unfinished job come back numbered as they were. The journal is
+rewritten from what was restored, so the entries of forgotten jobs go.
 """
 
 from __future__ import annotations
@@ -13,14 +15,17 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ..contract import JobEvent
+from ..contract import PAUSED, JobEvent
 from ..jobs import Job
 from .dispatch import Dispatcher
+from .hold_log import HoldLog
 from .journal import Journal, Record, event_entry
 from .records import RecordBook
 from .wire import spec_from_json
 
 __all__ = ["compact_if_long", "restore"]
+
+_NEVER = "stopped while queued: it never ran"
 
 
 def restore(
@@ -28,10 +33,13 @@ def restore(
     book: RecordBook,
     dispatcher: Dispatcher,
     spawn: Callable[[Awaitable[Any]], asyncio.Task[Any]],
+    holds: HoldLog | None = None,
 ) -> int:
     """Rebuild ``book``'s records from ``journal``; queued jobs are sent again by ``dispatcher`` (they
-    never started). The number of jobs restored."""
+    never started, or resume from their checkpoint), held ones put back by ``holds`` (without it,
+    a held job is queued again). The number of jobs restored."""
     entries, events = journal.by_job(), journal.events()
+    told: list[dict[str, Any]] = []  # what restoring the holds added to the journal
     for job_id, parts in entries.items():
         sub = parts["submit"]
         job = Job(spec_from_json(sub["spec"]), sub["owner"], id=job_id, created=sub["created"])
@@ -44,21 +52,30 @@ def restore(
         for event in events.get(job_id, ()):  # an unfinished job's events, numbered as they were
             record.job.put(event)
         end = parts.get("end")
+        if holds is not None and end is None and "hold" in parts:
+            lost = holds.restore(record, parts["hold"])
+            parts["hold"] = record.hold or parts["hold"]  # without the checkpoint, if it was lost
+            told += [] if lost is None else [event_entry(job_id, lost)]
         if end is not None:
             record.journaled_end = True
             record.job.result = end["result"]
             record.job.apply(end["view"])
+            record.job.saved_steps = end["view"].get("saved_steps", 0)
+            record.job.preemptions = end["view"].get("preemptions", 0)
             record.job.put(JobEvent(end["done"], "done", end["view"]))
             book.queued.discard(job_id)
             book.finished.append(job_id)
         elif record.claimed_by is not None:
             book.claims[record.claimed_by].add(job_id)
         elif record.stop is not None:  # stopped unclaimed, and the registry died before writing the end
-            record.job.request_stop(record.stop)
-            book.end(record, "stopped", record.stop, "stopped while queued: it never ran")
+            detail = f"stopped while {job.state}, at step {job.step}" if job.started else _NEVER  # as Stops
+            job.request_stop(record.stop)
+            book.end(record, "stopped", record.stop, detail)
+        elif record.job.state == PAUSED:  # held until its owner resumes it
+            book.queued.discard(job_id)
         else:
             dispatcher.dispatches[job_id] = spawn(dispatcher.run(record))
-    kept = [event_entry(job_id, e) for job_id, es in events.items() for e in es]
+    kept = [event_entry(job_id, e) for job_id, es in events.items() for e in es] + told
     journal.rewrite([e for p in entries.values() for e in p.values()] + kept)
     return len(entries)
 
