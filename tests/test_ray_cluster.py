@@ -8,7 +8,7 @@ resource per node that one replica takes, so the placement is known). What fails
   ``stopping``); the other node's jobs run on;
 - a whole node removed mid-job: the same (a stop accepted just before ends its job ``stopped`` or
   ``failed``), and Serve places the replacement on a spare node;
-- the registry killed (Serve restarts it): states, stops, results and the events of running jobs
+- the registry killed (Serve restarts it): states, stops, results, holds and the events of running jobs
   are read back from its journal;
 - stops before a job's claim (tombstones) and ids chosen by the registry's caller across nodes.
 
@@ -89,6 +89,7 @@ def on_cluster(text_model_dir, tmp_path_factory, request) -> Iterator[types.Simp
             step_delay=0.05,
             torch_threads=1,
             journal_dir=str(tmp_path_factory.mktemp("cluster-journal")),
+            checkpoint_dir=str(tmp_path_factory.mktemp("cluster-checkpoints")),  # every node's: one machine
         )
         serve.run(build(options), name=APP, route_prefix="/")
         yield types.SimpleNamespace(
@@ -314,10 +315,12 @@ def test_a_registry_restart_keeps_states_stops_results_and_the_events_of_running
     kept_result = client.get(f"/v1/jobs/{completed}/result", params={"wait": "true"}).json()
     assert kept_result["job"]["state"] == "completed"
     where = running_on_all(client, on_cluster)
-    followed, stopped_before, *others = [job for jobs in where.values() for job in jobs]
+    followed, stopped_before, paused, *others = [job for jobs in where.values() for job in jobs]
     seen = wait_for_step(client, followed, 6)  # what a client saw of a running job before the restart
     accepted = call(on_cluster, "stop", stopped_before, OWNER, "user", False)
     assert accepted.state in ("stopping", "stopped")
+    held = client.post(f"/v1/jobs/{paused}/pause").json()  # its checkpoint a file in checkpoint_dir
+    assert held["state"] == "paused" and held["checkpoint_step"] == held["step"] >= 1, held
     registry = call(on_cluster, "whoami")
     ray.kill(ray.get_actor(registry, namespace="serve"), no_restart=True)
 
@@ -331,7 +334,12 @@ def test_a_registry_restart_keeps_states_stops_results_and_the_events_of_running
     done = final(client, stopped_before)  # the stop accepted before the restart took effect
     assert (done["state"], done["reason"]) == ("stopped", "user") and within_one_step(done)
     assert client.get(f"/v1/jobs/{completed}/result").json() == kept_result
-    stop_all(client, [followed, *others])
+    back = client.get(f"/v1/jobs/{paused}").json()  # still paused, with its checkpoint: never run unasked
+    assert (back["state"], back["step"], back["checkpoint_step"]) == ("paused", held["step"], held["step"])
+    assert client.post(f"/v1/jobs/{paused}/resume").json()["checkpoint_step"] == held["step"]
+    resumed = wait_for_step(client, paused, held["step"] + 1)
+    assert [e.get("resumed_from") for e in resumed if e["type"] == "started"] == [None, held["step"]]
+    stop_all(client, [followed, paused, *others])
     assert [e["type"] for e in events(client, followed)].count("started") == 1
     assert len(replicas(on_cluster)) == 2  # the replicas found the new registry
 

@@ -7,7 +7,7 @@ store's handle (:class:`~stopcock.server.ray_engine.checkpoints.Stored`). Holdin
 ask handed to its replica with the next poll, like a skip: the replica interrupts the run at its next
 step, stores the checkpoint and reports the hold; the registry then releases the claim. A job queued
 again (resumed, or preempted) is sent to its kind's deployment again, and whichever replica claims it
-resumes it from the checkpoint.
+resumes it from the checkpoint. Each hold and each queuing again is journaled (:mod:`.hold_log`).
 """
 
 from __future__ import annotations
