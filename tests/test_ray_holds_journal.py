@@ -254,6 +254,11 @@ def test_a_preempted_job_survives_a_registry_restart_and_finishes_with_the_same_
         started = [e async for e in engine.events(low.id, OWNER) if e.type == "started"]
         assert [e.data.get("resumed_from") for e in started] == [None, held["checkpoint_step"]]
         assert replica.peak == 1 and list(folder.iterdir()) == []
+        restarted(registry)
+
+        _, registry, _ = await world(backend, journal, str(folder), "replica-2")  # its end keeps its counts
+        ended = await viewed(registry, low.id)
+        assert (ended.state, ended.preemptions, ended.saved_steps) == ("completed", 1, done.saved_steps)
 
     asyncio.run(main())
 
@@ -361,8 +366,9 @@ def test_a_journal_restores_holds_whose_checkpoint_is_gone_and_old_journals_as_b
 
 
 def test_a_compacted_journal_keeps_the_holds(tmp_path):
-    """A job held on a replica (its hold reported by hand), then many jobs ended: the journal is
-    compacted, and still restores the job paused with its checkpoint, sent with it once resumed."""
+    """A job held on a replica (its hold reported by hand) and one paused while it waited, then many
+    jobs ended: the journal is compacted, and still restores both paused (the first with its
+    checkpoint, sent with it once resumed; the other sent to run from its start)."""
     journal, folder = tmp_path / "j.jsonl", tmp_path / "checkpoints"
     parked = Parked()  # the deployment after the restart
 
@@ -390,6 +396,8 @@ def test_a_compacted_journal_keeps_the_holds(tmp_path):
         await registry.report("r1", [("held", event)], {"held": job.view().to_json()}, {"held": news})
         paused = await asyncio.wait_for(pausing, 30)
         assert isinstance(paused, JobView) and paused.state == "paused"
+        await registry.submit("waiting", sampled(), OWNER, 0.5)  # never claimed: paused at once
+        assert (await registry.pause("waiting", OWNER)).state == "paused"  # type: ignore[union-attr]
         for n in range(12):  # jobs that run and end: the journal grows, then is compacted
             name = f"done-{n}"
             await registry.submit(name, sampled(), OWNER, 1.0)
@@ -410,10 +418,15 @@ def test_a_compacted_journal_keeps_the_holds(tmp_path):
         registry = await registry_now(parked)
         back = await viewed(registry, "held")
         assert (back.state, back.step, back.checkpoint_step, back.total) == ("paused", 6, 6, 24)
+        waiting = await viewed(registry, "waiting")
+        assert (waiting.state, waiting.step, waiting.checkpoint_step) == ("paused", 0, None)
         assert parked.sent == []  # paused: never sent unasked
         await registry.resume("held", OWNER)
         await asyncio.wait_for(parked.wait_sent(1), 10)
         [(job_id, _, _, held)] = parked.sent
         assert (job_id, held["handle"], held["saved_steps"]) == ("held", parcel, 0)
+        await registry.resume("waiting", OWNER)
+        await asyncio.wait_for(parked.wait_sent(2), 10)
+        assert parked.sent[1][0] == "waiting" and len(parked.sent[1]) == 3  # no checkpoint: from its start
 
     asyncio.run(after(asyncio.run(before())))
