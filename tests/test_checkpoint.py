@@ -236,3 +236,24 @@ def test_versions_name_the_targets_libraries_and_their_numeric_dependencies(text
     pipe = tiny.ddpm_pipeline()
     image = versions(pipe, *pipe.components.values())
     assert "diffusers" in image and "transformers" not in image  # no transformers part in this pipeline
+
+
+def test_a_library_named_as_its_module_is_found_without_mapping_every_distribution(text_model):
+    """The first checkpoint of a process (a served job's first stop) must not read the file lists of
+    every installed distribution; a module named otherwise than its distribution still is found."""
+    import importlib.metadata
+
+    import PIL.Image
+
+    from stopcock import checkpoint
+
+    checkpoint._distributions.cache_clear()
+    checkpoint._named_after.cache_clear()
+    pipe = tiny.ddpm_pipeline()
+    assert checkpoint._library_of(text_model) == "transformers"
+    assert checkpoint._library_of(pipe.unet) == "diffusers"
+    assert checkpoint._distributions.cache_info().misses == 0  # the full mapping was never built
+    assert checkpoint._library_of(PIL.Image.new("RGB", (1, 1))) == "pillow"  # module PIL: the mapping
+    assert checkpoint._distributions.cache_info().misses == 1
+    mapped = importlib.metadata.packages_distributions()
+    assert mapped["transformers"] == ["transformers"] and mapped["diffusers"] == ["diffusers"]

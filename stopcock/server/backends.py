@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
+from ..checkpoint import versions
 from ..conditions import from_options
 from ..errors import UserError
 from ..events import RowDecoder
@@ -64,6 +65,7 @@ class TextBackend:
         self.description = description
         self.tokenizer = pipe.tokenizer
         config = pipe.model.config
+        versions(pipe, pipe.model, pipe.tokenizer)  # read once now, not by the first stop's checkpoint
         self.context = getattr(config, "max_position_embeddings", None) or getattr(
             config, "n_positions", None
         )
@@ -245,6 +247,7 @@ class ImageBackend:
         self.description = description
         self.takes = set(inspect.signature(pipe.__call__).parameters)
         self.pipeline_class = type(pipe).__name__
+        versions(pipe, *dict(pipe.components).values())  # read once now, not by the first stop's checkpoint
         if "prompt" not in self.takes:
             raise ValueError(f"{self.pipeline_class} takes no prompt: serve a text-to-image pipeline")
 
