@@ -416,3 +416,63 @@ def test_a_stop_that_crosses_a_hold_ends_the_job_which_is_not_queued_again(tmp_p
         assert await registry.claim("job", "r1") is None and sent.jobs == ["job"]  # not sent again
 
     asyncio.run(main())
+
+
+class _Counting(LocalHandle):
+    """A registry handle that counts the calls in flight by method (the most at once in ``peak``)."""
+
+    def __init__(self, target: Any) -> None:
+        super().__init__(target)
+        self.now: dict[str, int] = {}
+        self.peak: dict[str, int] = {}
+
+    def __getattr__(self, method: str) -> Any:
+        call = getattr(self.target, method)
+        handle = self
+
+        async def counted(*args: Any) -> Any:
+            handle.now[method] = handle.now.get(method, 0) + 1
+            handle.peak[method] = max(handle.peak.get(method, 0), handle.now[method])
+            try:
+                return await call(*args)
+            finally:
+                handle.now[method] -= 1
+
+        class _Method:
+            @staticmethod
+            def remote(*args: Any) -> Any:
+                return asyncio.ensure_future(counted(*args))
+
+        return _Method
+
+
+def test_every_event_stream_of_an_ingress_is_fed_by_one_poll(server_backends):
+    """Six streams of four jobs (two of one job, one resumed after its third event) each get their
+    job's events in order, none missing or twice, while the registry has one poll in flight at most;
+    a stream of an unknown job fails as the contract says."""
+    from stopcock.server.contract import JobNotFound
+
+    async def main() -> None:
+        _, registry, _ = await wired(server_backends["text"])
+        handle = _Counting(registry)
+        engine = RayEngine(handle, {"text": {"id": "tiny", "description": ""}})
+        jobs = [await engine.submit(text(12 + i), OWNER) for i in range(4)]
+
+        async def follow(job_id: str, after: int = 0) -> list[JobEvent]:
+            return [e async for e in engine.events(job_id, OWNER, after)]
+
+        streams = [follow(job.id) for job in jobs] + [follow(jobs[0].id), follow(jobs[1].id, 3)]
+        got = await asyncio.wait_for(asyncio.gather(*streams), 120)
+        for job, events in zip([*jobs, jobs[0], jobs[1]], got, strict=True):
+            known, _, ended = await registry.events(job.id, OWNER, 0, 0.0)
+            assert ended
+            start = 3 if events is got[5] else 0
+            assert [e.seq for e in events] == [e.seq for e in known][start:]
+            assert [e.seq for e in events] == list(range(start + 1, start + 1 + len(events)))
+            assert events[-1].type == "done"
+        assert handle.peak["feed"] == 1 and "events" not in handle.peak
+        with pytest.raises(JobNotFound):
+            await follow("no-such-job")
+
+    asyncio.run(main())
+

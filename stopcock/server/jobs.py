@@ -93,16 +93,30 @@ class Changes:
 
     async def wait_past(self, version: int, timeout: float | None = None) -> None:
         """Return once :attr:`version` exceeds ``version`` (or after ``timeout`` seconds)."""
-        future, wake = loop_waker()
+        await wait_any([(self, version)], timeout)
+
+    def waker_past(self, version: int, wake: Callable[[], None]) -> Callable[[], None] | None:
+        """Call ``wake()`` at the next change, if :attr:`version` is still ``version``: the function
+        that takes ``wake`` back, or None (the version is past already: ``wake`` is not kept)."""
         with self._cond:
-            if self.version > version:
+            return None if self.version > version else self._wakers.add(wake)
+
+
+async def wait_any(seen: Iterable[tuple[Changes, int]], timeout: float | None) -> None:
+    """Return once any of the counters is past the version it was seen at (or after ``timeout`` seconds)."""
+    future, wake = loop_waker()
+    removes: list[Callable[[], None]] = []
+    try:
+        for changes, version in seen:
+            remove = changes.waker_past(version, wake)
+            if remove is None:
                 return
-            remove = self._wakers.add(wake)
-        try:
-            await asyncio.wait_for(future, timeout)
-        except asyncio.TimeoutError:
-            pass
-        finally:
+            removes.append(remove)
+        await asyncio.wait_for(future, timeout)
+    except asyncio.TimeoutError:
+        pass
+    finally:
+        for remove in removes:
             remove()
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from ..contract import FINAL_STATES, JobEvent, JobSpec, JobView, KindNotServed
 from ..jobs import new_id
+from .followers import Followers
 from .wire import POLL_S, Refused, call, detached
 
 __all__ = ["RayEngine"]
@@ -33,6 +34,7 @@ class RayEngine:
         self._validators: dict[str, Any] = {}
         self._validating = threading.Lock()
         self._detached: set[asyncio.Task[Any]] = set()
+        self._followers = Followers(self._ask)
 
     async def _ask(self, method: str, *args: Any) -> Any:
         answer = await call(self.registry, method, *args, retry_for=self.retry_for)
@@ -107,12 +109,10 @@ class RayEngine:
                 return view
 
     async def events(self, job_id: str, owner: str, after: int = 0) -> AsyncIterator[JobEvent]:
-        while True:
-            new, after, ended = await self._ask("events", job_id, owner, after, POLL_S)
-            for event in new:
-                yield event
-            if ended:
-                return
+        """The job's events after ``after``, as they come, up to ``done``: every stream of this
+        ingress replica is fed by one long poll of the registry (:class:`~.followers.Followers`)."""
+        async for event in self._followers.events(job_id, owner, after):
+            yield event
 
     async def result(self, job_id: str, owner: str) -> dict[str, Any]:
         found: dict[str, Any] = await self._ask("result", job_id, owner)

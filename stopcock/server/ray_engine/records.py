@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import collections
 import secrets
+import time
 from collections.abc import Callable
 from typing import Any
 
 from ..contract import FINAL_STATES, JobEvent, JobState, JobView
-from ..jobs import finish, since, summary_of_end, wait_final
+from ..jobs import finish, since, summary_of_end, wait_any, wait_final
 from .journal import Record
 from .wire import Refused
 
@@ -121,6 +122,31 @@ class RecordBook:
             await record.job.changes.wait_past(version, timeout)
             new, cursor, ended = since(record.job, after)
         return new, cursor, ended
+
+    async def feed(
+        self, wants: list[tuple[str, str, str, int]], timeout: float
+    ) -> dict[str, tuple[list[JobEvent], int, bool] | Refused]:
+        """The news of several followed jobs at once (``wants``: a key, the job's id, its owner and
+        the follower's cursor), by key: the events after the cursor, the new cursor and whether
+        ``done`` is among them, for each job that has some; a refusal for a job not found. Answered
+        once there is news (or after ``timeout`` seconds, with none)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            news: dict[str, tuple[list[JobEvent], int, bool] | Refused] = {}
+            seen = []
+            for key, job_id, owner, after in wants:
+                record = self.find(job_id, owner)
+                if isinstance(record, Refused):
+                    news[key] = record
+                    continue
+                seen.append((record.job.changes, record.job.changes.version))  # before the look
+                new, cursor, ended = since(record.job, after)
+                if new or ended:
+                    news[key] = (new, cursor, ended)
+            left = deadline - time.monotonic()
+            if news or left <= 0:
+                return news
+            await wait_any(seen, left)
 
     def result(self, job_id: str, owner: str) -> dict[str, Any] | Refused:
         """The job's view and its result (None until it has ended)."""

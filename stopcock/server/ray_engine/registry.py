@@ -128,6 +128,13 @@ class JobRegistry(Operations):
     ) -> tuple[list[JobEvent], int, bool] | Refused:
         return await self.book.events(job_id, owner, after, timeout)
 
+    async def feed(
+        self, wants: list[tuple[str, str, str, int]], timeout: float
+    ) -> dict[str, tuple[list[JobEvent], int, bool] | Refused]:
+        """The events of every job an ingress replica streams, in one long poll (see
+        :meth:`.records.RecordBook.feed`)."""
+        return await self.book.feed(wants, timeout)
+
     async def result(self, job_id: str, owner: str) -> dict[str, Any] | Refused:
         return self.book.result(job_id, owner)
 
