@@ -186,7 +186,7 @@ def test_a_job_paused_and_resumed_has_the_text_of_an_uninterrupted_run(client):
 def test_a_job_of_higher_priority_preempts_the_lowest_running_one(client):
     """Every text slot busy (LocalEngine: its workers; Ray: each replica's lane): a job of higher
     priority preempts the running job of the lowest priority, which resumes once a slot is free."""
-    lowest = submit(client, {**text_job(60), "priority": 0})
+    lowest = submit(client, {**text_job(200), "priority": 0})  # long enough to be running still
     other = submit(client, {**text_job(), "priority": 1})
     for job in (lowest, other):
         wait_for_step(client, job["id"], 1)
@@ -195,7 +195,7 @@ def test_a_job_of_higher_priority_preempts_the_lowest_running_one(client):
     seen = list(events(client, lowest["id"]))
     assert [e["type"] for e in seen].count("preempted") == 1
     done = seen[-1]
-    assert (done["state"], done["step"], done["preemptions"]) == ("completed", 60, 1)
+    assert (done["state"], done["step"], done["preemptions"]) == ("completed", 200, 1)
     assert done["saved_steps"] >= 1
     assert client.get(f"/v1/jobs/{other['id']}").json()["preemptions"] == 0
 

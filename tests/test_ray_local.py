@@ -425,6 +425,7 @@ class _Counting(LocalHandle):
         super().__init__(target)
         self.now: dict[str, int] = {}
         self.peak: dict[str, int] = {}
+        self.calls: dict[str, int] = {}
 
     def __getattr__(self, method: str) -> Any:
         call = getattr(self.target, method)
@@ -432,6 +433,7 @@ class _Counting(LocalHandle):
 
         async def counted(*args: Any) -> Any:
             handle.now[method] = handle.now.get(method, 0) + 1
+            handle.calls[method] = handle.calls.get(method, 0) + 1
             handle.peak[method] = max(handle.peak.get(method, 0), handle.now[method])
             try:
                 return await call(*args)
@@ -476,3 +478,20 @@ def test_every_event_stream_of_an_ingress_is_fed_by_one_poll(server_backends):
 
     asyncio.run(main())
 
+
+def test_an_ingress_fetches_the_validators_as_it_starts(server_backends):
+    """``warm()`` (called as an ingress replica starts) fetches each kind's validator in the
+    background, so the first submission asks the registry for none."""
+
+    async def main() -> None:
+        _, registry, _ = await wired(server_backends["text"])
+        handle = _Counting(registry)
+        engine = RayEngine(handle, {"text": {"id": "tiny", "description": ""}})
+        engine.warm()
+        await asyncio.wait_for(asyncio.gather(*engine._detached), 60)
+        assert handle.calls == {"validator": 1}
+        job = await engine.submit(text(3), OWNER)
+        assert handle.calls == {"validator": 1, "submit": 1}
+        assert (await engine.wait(job.id, OWNER, 60)).state == "completed"
+
+    asyncio.run(main())

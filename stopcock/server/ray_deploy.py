@@ -223,7 +223,9 @@ def _ingress(keys: list[str], models: Mapping[str, Mapping[str, str]]) -> Any:
 
         context = serve.get_replica_context()
         registry = serve.get_deployment_handle(REGISTRY, context.app_name)
-        return _Tagged(create_app(RayEngine(registry, models), api_keys=keys), context.replica_tag)
+        engine = RayEngine(registry, models)
+        engine.warm()  # Serve builds the app in the replica's event loop, as it starts
+        return _Tagged(create_app(engine, api_keys=keys), context.replica_tag)
 
     class Ingress:
         def __init__(self, registry: Any) -> None:

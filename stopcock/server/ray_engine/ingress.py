@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import pickle
 import threading
 import time
@@ -41,6 +42,20 @@ class RayEngine:
         if isinstance(answer, Refused):
             raise answer.error()
         return answer
+
+    def warm(self) -> None:
+        """Fetch each kind's validator in the background, from now on (called as the ingress replica
+        starts, in its event loop): unpickling a tokenizer imports its library, which would otherwise
+        hold up the first submission this replica receives."""
+        for kind in self.models:
+            detached(functools.partial(self._fetch, kind), self._detached)
+
+    async def _fetch(self, kind: str) -> None:
+        while kind not in self._validators:  # until a model replica of the kind has registered
+            blob = await call(self.registry, "validator", kind, POLL_S, retry_for=None)
+            if not isinstance(blob, Refused):
+                validator = None if blob is None else await asyncio.to_thread(pickle.loads, blob)
+                self._validators.setdefault(kind, validator)
 
     async def _validator(self, kind: str) -> Any:
         if kind not in self._validators:
