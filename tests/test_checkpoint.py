@@ -245,7 +245,7 @@ def test_a_library_named_as_its_module_is_found_without_mapping_every_distributi
 
     import PIL.Image
 
-    from stopcock import checkpoint
+    from stopcock import versions as checkpoint
 
     checkpoint._distributions.cache_clear()
     checkpoint._named_after.cache_clear()

@@ -22,7 +22,6 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
-from ..checkpoint import versions
 from ..conditions import from_options
 from ..errors import UserError
 from ..events import RowDecoder
@@ -36,6 +35,7 @@ from ..runner import run
 from ..signal import StopSignal
 from ..state import StepState
 from ..tiny.demo import DESCRIPTIONS
+from ..versions import versions
 from .batching import run_batch
 from .contract import HELD_STATES, Backend, InvalidJob, JobSpec, RunContext
 from .schemas import MIN_SAMPLING_TEMPERATURE, ImageParameters
