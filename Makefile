@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 # (PIP_EXTRA_INDEX_URL) or override TORCH; pyproject.toml itself only asks for torch>=2.1.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo-setup demo test test-cluster docs wheel-smoke soak lint bench gpu-check coverage browser valgrind clean
+.PHONY: setup demo-setup demo test test-cluster docs wheel-smoke soak lint bench bench-ray gpu-check coverage browser valgrind clean
 
 # Two sets, each with its stamp: `make demo` installs what the demo needs (the extras transformers,
 # diffusers and server: pyproject.toml says what each brings), `make test` the development set on top
@@ -69,6 +69,13 @@ lint: setup
 
 bench: setup valgrind
 	HF_HUB_OFFLINE=1 $(BIN)/python -m bench
+	$(MAKE) bench-ray
+
+# The Ray Serve engine against LocalEngine, each on a local Ray cluster of its own (a few minutes):
+# stop acknowledgements (bench/RESULTS-ray.md) and batched text jobs (bench/RESULTS-ray-batch.md).
+bench-ray: setup
+	HF_HUB_OFFLINE=1 RAY_AUTH_MODE=disabled $(BIN)/python -m bench.ray_stop --out bench/RESULTS-ray.md
+	HF_HUB_OFFLINE=1 RAY_AUTH_MODE=disabled $(BIN)/python -m bench.ray_batch --out bench/RESULTS-ray-batch.md
 
 # On one GPU, in under 8 minutes: overhead ratios in float16 and bfloat16 on real-size random-weight
 # models (a 0.5B causal LM, an SD-1.5-sized UNet), syncs added per step, abort latency until the GPU

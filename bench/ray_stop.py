@@ -106,7 +106,7 @@ def _ray(model: Path, replicas: int, step_delay: float) -> Iterator[tuple[str, A
     from stopcock.server.ray_deploy import REGISTRY, RayOptions, build
     from stopcock.server.ray_engine.wire import ModelSpec
 
-    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         with contextlib.closing(__import__("socket").socket()) as probe:
             probe.bind(("127.0.0.1", 0))
