@@ -312,6 +312,18 @@ def test_the_setting_is_checked():
     assert (options.on_replica_loss, options.max_reruns) == ("rerun", 3)
 
 
+def test_the_application_args_reach_the_registry():
+    from stopcock.server.ray_deploy import app
+
+    sized = {"replica_cpus": 1, "replica_gpus": 0}  # nothing left to fit to a cluster: none needed
+    ingress = app({**sized, "on_replica_loss": "rerun", "max_reruns": "2"})._bound_deployment
+    registry = ingress.init_args[0]._bound_deployment
+    assert registry.name == "JobRegistry"
+    assert (registry.init_kwargs["on_replica_loss"], registry.init_kwargs["max_reruns"]) == ("rerun", 2)
+    with pytest.raises(ValueError, match="on_replica_loss must be one of fail, rerun, got 'retry'"):
+        app({**sized, "on_replica_loss": "retry"})
+
+
 async def rerun_reaches(engine: RayEngine, job_id: str, step: int) -> None:
     """Once the job's re-run (after its ``requeued`` event) has reached ``step``."""
     requeued = False

@@ -396,10 +396,8 @@ def _check_resources(options: RayOptions, *, wait: bool) -> None:
 
 
 def _max_reruns(args: argparse.Namespace) -> int:
-    """``--max-reruns`` (1 unless given), which only ``--on-replica-loss rerun`` uses."""
+    """``--max-reruns`` (1 unless given; ``serve`` allows it only with ``--on-replica-loss rerun``)."""
     given = getattr(args, "max_reruns", None)
-    if given is not None and getattr(args, "on_replica_loss", "fail") != "rerun":
-        raise UserError("--max-reruns bounds the re-runs of --on-replica-loss rerun: add that, or drop it")
     return 1 if given is None else int(given)
 
 

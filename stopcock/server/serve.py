@@ -196,6 +196,10 @@ def serve(args: argparse.Namespace) -> int:
             if getattr(args, "engine", "local") == "ray":
                 if getattr(args, "tp", 1) > 1:
                     raise UserError("--tp serves a sharded model on the local engine: drop --engine ray")
+                if args.max_reruns is not None and args.on_replica_loss != "rerun":
+                    raise UserError(
+                        "--max-reruns bounds the re-runs of --on-replica-loss rerun: add that, or drop it"
+                    )
                 _check(args, keys)
                 sock.close()  # Ray Serve's proxy binds the port itself: it was free a moment ago
                 from .ray_deploy import serve_forever
