@@ -10,7 +10,9 @@ resource per node that one replica takes, so the placement is known). What fails
   ``failed``), and Serve places the replacement on a spare node;
 - the registry killed (Serve restarts it): states, stops, results and the events of running jobs
   are read back from its journal;
-- stops before a job's claim (tombstones) and ids chosen by the registry's caller across nodes.
+- stops before a job's claim (tombstones) and ids chosen by the registry's caller across nodes;
+- with ``on_replica_loss="rerun"`` (the last test redeploys the application so), a node removed
+  mid-job: its job runs again on another node, with the text of an uninterrupted run.
 
 Every test ends with no job left unfinished. Slow (a cluster of three nodes, replicas replaced):
 marked ``cluster``, deselected by default and run by ``make test-cluster`` (and ``make test``).
@@ -46,6 +48,7 @@ HEAD = "node:__internal_head__"
 LONG = 1000  # tokens (the most a job may ask for): a job that runs until it is stopped
 FINAL = ("stopped", "completed", "failed")
 WAIT_S = 240  # the bound of every wait for the cluster (a job's end, a registry restarted)
+RERUN_TOKENS = 200  # a greedy job long enough to remove its node mid-run
 HEAL_S = 480  # the bound of the wait for Serve's replacement of a replica (a new process loads the model)
 
 
@@ -97,6 +100,7 @@ def on_cluster(text_model_dir, tmp_path_factory, request) -> Iterator[types.Simp
             url=f"http://127.0.0.1:{port}",
             registry=serve.get_deployment_handle(REGISTRY, APP),
             logs=folder,
+            options=options,
         )
     finally:
         if connected:
@@ -371,3 +375,44 @@ def test_tombstones_and_caller_chosen_ids_work_across_nodes(on_cluster, client):
     ran_on = node_of(call(on_cluster, "placement", "runs-after-them"))
     assert ran_on in {n.node_id for n in on_cluster.workers}
     assert call(on_cluster, "settled", "runs-after-them", WAIT_S) == "ran"
+
+
+def test_with_rerun_a_node_removed_mid_job_runs_its_job_again_on_another_node(on_cluster, client):
+    """Last in the file: it redeploys the application with ``on_replica_loss="rerun"`` (Serve replaces
+    the registry, which reads its journal back; the model replicas register with it again)."""
+    from dataclasses import replace
+
+    from ray import serve
+
+    from stopcock.server.ray_deploy import build
+
+    serve.run(build(replace(on_cluster.options, on_replica_loss="rerun")), name=APP, route_prefix="/")
+    # Serve replaced the model replicas too; one it shut down may have registered with the new
+    # registry first (its watch drops it once silent): only the live ones get requests
+    on_cluster.registry.replicas.remote("text", 2, HEAL_S).result(timeout_s=HEAL_S + WAIT_S)
+    greedy = text_job(RERUN_TOKENS)
+    reference = submit(client, greedy)
+    uninterrupted = client.get(f"/v1/jobs/{reference}/result", params={"wait": "true"}).json()
+    assert uninterrupted["job"]["state"] == "completed"
+    job = submit(client, greedy)
+    wait_for_step(client, job, 3)
+    lost_replica = call(on_cluster, "placement", job)
+    lost = next(n for n in on_cluster.workers if n.node_id == node_of(lost_replica))
+    spare = on_cluster.cluster.add_node(num_cpus=1, resources={SLOT: 1})  # room for the replacement
+    on_cluster.workers.remove(lost)
+    on_cluster.cluster.remove_node(lost)  # the raylet and every process of the node: the replica with it
+    on_cluster.workers.append(spare)
+
+    done = final(client, job)
+    assert (done["state"], done["step"]) == ("completed", RERUN_TOKENS), done
+    found = client.get(f"/v1/jobs/{job}/result").json()
+    assert found["result"]["text"] == uninterrupted["result"]["text"] != ""
+    seen = list(events(client, job))
+    types = [e["type"] for e in seen]
+    assert types.count("requeued") == 1 and types.count("started") == 2
+    requeued = next(e for e in seen if e["type"] == "requeued")
+    assert (requeued["replica"], requeued["from_step"], requeued["text_kept"]) == (lost_replica, 0, 0)
+    ran_on = call(on_cluster, "placement", job)
+    assert ran_on != lost_replica and node_of(ran_on) != lost.node_id
+    assert lost_replica not in [r["name"] for r in call(on_cluster, "replicas", "text")]
+    a_job_completes(client)

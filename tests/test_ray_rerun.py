@@ -337,3 +337,27 @@ async def rerun_reaches(engine: RayEngine, job_id: str, step: int) -> None:
 async def _step_of(engine: RayEngine, job_id: str, step: int) -> int:
     await reach(engine, job_id, step)
     return (await engine.get(job_id, OWNER)).step
+
+
+@pytest.mark.timeout(120)
+def test_the_web_page_keeps_the_text_a_requeued_event_keeps(server_backends):
+    """The page's event handler, given a job's stream with a ``requeued`` event: the text shown is
+    the kept part and what the re-run sends, not the lost run's text twice."""
+    from browser import chromium  # tests/ is on sys.path under pytest
+
+    from stopcock.server.testing import serving
+
+    stream = [
+        {"type": "started"},
+        {"type": "text", "text": "Once", "step": 1},
+        {"type": "text", "text": " upon", "step": 2},
+        {"type": "requeued", "replica": "r1", "from_step": 1, "text_kept": 4},
+        {"type": "started", "resumed_from": 1},
+        {"type": "text", "text": " upon a", "step": 3},
+    ]
+    with serving(server_backends, concurrency=1) as (url, _), chromium() as browser:
+        page = browser.new_page()
+        page.goto(url)
+        play = "(stream) => { stream.forEach(handle); return $('output').textContent; }"
+        shown = page.evaluate(play, stream)
+        assert shown == "Once upon a"

@@ -76,7 +76,7 @@ class JobRegistry(Operations):
         self.stops = Stops(self.book, self.fleet, stop_wait)
         self.holds = Holds(self.book, self.fleet, store_for(checkpoint_dir), self.dispatcher, stop_wait)
         self.reruns = (  # None: a lost replica's jobs fail (ReplicaSet.lost)
-            Reruns(self.book, self.fleet, self.dispatcher, max_reruns, self._forget_run)
+            Reruns(self.book, self.fleet, self.dispatcher, max_reruns, self._forget_run, self.holds.preempt)
             if on_replica_loss == "rerun"
             else None
         )

@@ -45,7 +45,9 @@ class Reruns:
     """Runs a lost replica's jobs again (installed as ``fleet``'s handler of a lost job): each is
     released in ``book``, journaled, and sent again by ``dispatcher``, at most ``max_reruns`` times
     (``counts``: how often each unfinished job was). ``forget(job_id)`` drops what the holds knew of
-    the lost run (a row of a batch, a hold asked of that replica)."""
+    the lost run (a row of a batch, a hold asked of that replica); ``preempt(kind)`` makes room for a
+    job queued again of a higher priority than a running one, as for a job resumed
+    (:meth:`.holds.Holds.preempt`)."""
 
     def __init__(
         self,
@@ -54,12 +56,14 @@ class Reruns:
         dispatcher: Dispatcher,
         max_reruns: int,
         forget: Callable[[str], None],
+        preempt: Callable[[str], None],
     ) -> None:
         checked_loss_policy("rerun", max_reruns)
         self.book = book
         self.dispatcher = dispatcher
         self.max_reruns = max_reruns
         self.forget = forget
+        self.preempt = preempt
         self.counts: dict[str, int] = {}
         fleet.orphaned = self.orphaned
         ended = book.on_end
@@ -115,6 +119,7 @@ class Reruns:
         self.book.queued.add(job.id)
         job.changes.bump()
         self.dispatcher.send(record)  # a send still going sends it again itself (Dispatcher.run)
+        self.preempt(job.spec.kind)
 
     def _release(self, record: Record, replica: str) -> None:
         """The lost replica no longer holds the job, here and in the journal (a restarted registry
