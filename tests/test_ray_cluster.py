@@ -11,8 +11,9 @@ resource per node that one replica takes, so the placement is known). What fails
 - the registry killed (Serve restarts it): states, stops, results and the events of running jobs
   are read back from its journal;
 - stops before a job's claim (tombstones) and ids chosen by the registry's caller across nodes;
-- with ``on_replica_loss="rerun"`` (the last test redeploys the application so), a node removed
-  mid-job: its job runs again on another node, with the text of an uninterrupted run.
+- with ``on_replica_loss="rerun"`` (the last tests redeploy the application so), a replica killed
+  and a node removed mid-job: their jobs run again on another replica, with the text of an
+  uninterrupted run (a stop accepted just before the kill ends its job ``stopped``, not run again).
 
 Every test ends with no job left unfinished. Slow (a cluster of three nodes, replicas replaced):
 marked ``cluster``, deselected by default and run by ``make test-cluster`` (and ``make test``).
@@ -377,24 +378,69 @@ def test_tombstones_and_caller_chosen_ids_work_across_nodes(on_cluster, client):
     assert call(on_cluster, "settled", "runs-after-them", WAIT_S) == "ran"
 
 
-def test_with_rerun_a_node_removed_mid_job_runs_its_job_again_on_another_node(on_cluster, client):
-    """Last in the file: it redeploys the application with ``on_replica_loss="rerun"`` (Serve replaces
-    the registry, which reads its journal back; the model replicas register with it again)."""
+# -- on_replica_loss="rerun" (last in the file: the application is redeployed so) --------------------
+def rerun_deployed(on_cluster: Any) -> None:
+    """Redeploy the application with ``on_replica_loss="rerun"``, once (Serve replaces the registry,
+    which reads its journal back, and the model replicas, which register with it)."""
     from dataclasses import replace
 
     from ray import serve
 
     from stopcock.server.ray_deploy import build
 
+    if getattr(on_cluster, "rerun", False):
+        return
     serve.run(build(replace(on_cluster.options, on_replica_loss="rerun")), name=APP, route_prefix="/")
-    # Serve replaced the model replicas too; one it shut down may have registered with the new
-    # registry first (its watch drops it once silent): only the live ones get requests
+    on_cluster.rerun = True
+    # a replica Serve shut down may have registered with the new registry first (its watch drops it
+    # once silent): only the live ones get requests
     on_cluster.registry.replicas.remote("text", 2, HEAL_S).result(timeout_s=HEAL_S + WAIT_S)
-    greedy = text_job(RERUN_TOKENS)
-    reference = submit(client, greedy)
-    uninterrupted = client.get(f"/v1/jobs/{reference}/result", params={"wait": "true"}).json()
-    assert uninterrupted["job"]["state"] == "completed"
-    job = submit(client, greedy)
+
+
+def uninterrupted(client: httpx.Client) -> dict[str, Any]:
+    """The result of a greedy job of ``RERUN_TOKENS`` tokens run alone."""
+    reference = submit(client, text_job(RERUN_TOKENS))
+    found: dict[str, Any] = client.get(f"/v1/jobs/{reference}/result", params={"wait": "true"}).json()
+    assert found["job"]["state"] == "completed"
+    return found
+
+
+def test_with_rerun_a_killed_replicas_job_runs_again_and_a_stopped_one_does_not(on_cluster, client):
+    import ray
+
+    rerun_deployed(on_cluster)
+    reference = uninterrupted(client)
+    jobs = [submit(client, text_job(RERUN_TOKENS)) for _ in range(4)]  # every lane of both replicas
+    for job in jobs:
+        wait_for_step(client, job, 1)
+    where: dict[str, list[str]] = {}
+    for job in jobs:
+        where.setdefault(call(on_cluster, "placement", job), []).append(job)
+    killed = sorted(where)[0]
+    asked, plain = where[killed]
+    accepted = call(on_cluster, "stop", asked, OWNER, "user", False)
+    assert accepted.state in ("stopping", "stopped")
+    ray.kill(ray.get_actor(killed, namespace="serve"), no_restart=True)
+
+    stopped = final(client, asked)  # applied before the kill, or ended by the registry: never run again
+    assert (stopped["state"], stopped["reason"]) == ("stopped", "user"), stopped
+    assert "requeued" not in [e["type"] for e in events(client, asked)]
+    done = final(client, plain)
+    assert (done["state"], done["step"]) == ("completed", RERUN_TOKENS), done
+    assert client.get(f"/v1/jobs/{plain}/result").json()["result"]["text"] == reference["result"]["text"]
+    seen = list(events(client, plain))
+    assert [e["type"] for e in seen].count("requeued") == 1
+    assert next(e for e in seen if e["type"] == "requeued")["replica"] == killed
+    assert call(on_cluster, "placement", plain) != killed
+    for job in [j for r, js in where.items() if r != killed for j in js]:  # the other replica's ran on
+        assert final(client, job)["state"] == "completed"
+    replicas(on_cluster)  # Serve replaced the killed replica
+
+
+def test_with_rerun_a_node_removed_mid_job_runs_its_job_again_on_another_node(on_cluster, client):
+    rerun_deployed(on_cluster)
+    reference = uninterrupted(client)
+    job = submit(client, text_job(RERUN_TOKENS))
     wait_for_step(client, job, 3)
     lost_replica = call(on_cluster, "placement", job)
     lost = next(n for n in on_cluster.workers if n.node_id == node_of(lost_replica))
@@ -406,7 +452,7 @@ def test_with_rerun_a_node_removed_mid_job_runs_its_job_again_on_another_node(on
     done = final(client, job)
     assert (done["state"], done["step"]) == ("completed", RERUN_TOKENS), done
     found = client.get(f"/v1/jobs/{job}/result").json()
-    assert found["result"]["text"] == uninterrupted["result"]["text"] != ""
+    assert found["result"]["text"] == reference["result"]["text"] != ""
     seen = list(events(client, job))
     types = [e["type"] for e in seen]
     assert types.count("requeued") == 1 and types.count("started") == 2

@@ -244,6 +244,40 @@ def test_a_job_whose_stop_was_accepted_ends_stopped_and_is_not_run_again(server_
     asyncio.run(main())
 
 
+def test_a_job_asked_to_pause_when_its_replica_died_is_held_and_resumes_later(server_backends, tmp_path):
+    async def main() -> None:
+        engine, registry, fleet = await killable(server_backends["text"], 2, str(tmp_path))
+        alone = await engine.submit(JobSpec("text", "Once upon a time", SAMPLED), OWNER)
+        _, uninterrupted = await text_of(engine, alone.id)
+        fleet.route = ["replica-1"]
+        job = await engine.submit(JobSpec("text", "Once upon a time", SAMPLED), OWNER)
+        await reach(engine, job.id, 4)
+        fleet.kill("replica-1", tell=False)  # dead before it holds the job
+        pausing = asyncio.ensure_future(engine.pause(job.id, OWNER))
+        await asked_to_hold(registry, job.id)
+        fleet.tell("replica-1")
+        paused = await asyncio.wait_for(pausing, 30)
+        assert (paused.state, paused.step, paused.checkpoint_step) == ("paused", 0, None)
+        held, _, _ = await registry.events(job.id, OWNER, 0, 0.0)  # so far: it has not ended
+        assert [e.type for e in held][-2:] == ["requeued", "paused"]
+        assert [j for j, _ in fleet.sent].count(job.id) == 1  # held: not sent until resumed
+        await engine.resume(job.id, OWNER)
+        done, result = await text_of(engine, job.id)
+        assert (done.state, result) == ("completed", uninterrupted)
+        assert fleet.sent[-1] == (job.id, "replica-0")
+
+    asyncio.run(main())
+
+
+async def asked_to_hold(registry: JobRegistry, job_id: str) -> None:
+    """Once the registry has asked the job's replica to hold it (the pause's call has run)."""
+    for _ in range(10_000):
+        if job_id in registry.holds.asked:
+            return
+        await asyncio.sleep(0)  # a turn of the event loop, where the pause's call runs
+    raise AssertionError(f"no hold was asked of {job_id}'s replica")
+
+
 def test_with_fail_a_killed_replicas_job_fails_and_is_not_sent_again(server_backends, tmp_path):
     async def main() -> None:
         engine, registry, fleet = await killable(
