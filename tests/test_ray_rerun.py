@@ -395,3 +395,59 @@ def test_the_web_page_keeps_the_text_a_requeued_event_keeps(server_backends):
         play = "(stream) => { stream.forEach(handle); return $('output').textContent; }"
         shown = page.evaluate(play, stream)
         assert shown == "Once upon a"
+
+
+async def opened(registry: JobRegistry, known: set[str]) -> str:
+    """The id of the job submitted next (not in ``known``), once the registry has it."""
+    for _ in range(100_000):
+        new = set(registry.book.jobs) - known
+        if new:
+            return new.pop()
+        await asyncio.sleep(0)  # a turn of the event loop, where the request is served
+    raise AssertionError("no job was submitted")
+
+
+@pytest.mark.parametrize("seed", [7, None])
+def test_an_openai_stream_through_a_loss_never_repeats_its_text(server_backends, tmp_path, seed):
+    """An OpenAI stream cannot take text back: through a re-run it streams only what it had not
+    (the same text as a run never interrupted, for a seeded job), or, for a job that samples
+    without a seed, whose re-run's text differs, it ends with an error that names the fix."""
+    import json
+
+    import httpx
+
+    from stopcock.server.app import create_app
+
+    body = {"model": "tiny-text", "prompt": "Once upon a time", "max_tokens": 24, "temperature": 1.0,
+            "top_p": 0.9, "seed": seed, "stream": True}
+
+    def streamed(response: httpx.Response) -> tuple[str, list[dict[str, Any]]]:
+        lines = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+        chunks = [json.loads(line) for line in lines if line != "[DONE]"]
+        return "".join(c["choices"][0]["text"] for c in chunks if c.get("choices")), chunks
+
+    async def main() -> None:
+        engine, registry, fleet = await killable(server_backends["text"], 2, str(tmp_path))
+        transport = httpx.ASGITransport(app=create_app(engine))
+        async with httpx.AsyncClient(transport=transport, base_url="http://stopcock", timeout=120) as http:
+            alone = await http.post("/v1/completions", json=body)
+            uninterrupted, _ = streamed(alone)
+            fleet.route = ["replica-1"]
+            streaming = asyncio.ensure_future(http.post("/v1/completions", json=body))
+            job_id = await opened(registry, set(registry.book.jobs))
+            async for event in engine.events(job_id, "local"):  # the owner of a server without keys
+                if event.type == "progress" and event.data["step"] >= 5:
+                    break
+            fleet.kill("replica-1")
+            text, chunks = streamed(await streaming)
+        events, _, _ = await registry.events(job_id, "local", 0, 0.0)
+        assert "requeued" in [e.type for e in events]
+        if seed is not None:
+            assert text == uninterrupted != "" and chunks[-1]["choices"][0]["finish_reason"] == "length"
+        else:
+            error = chunks[-1]["error"]["message"]
+            assert "replica" in error and "pass a seed" in error
+        ended = await engine.wait(job_id, "local")  # its re-run's thread is over before the loop closes
+        assert ended.state in ("stopped", "completed")
+
+    asyncio.run(main())
