@@ -157,6 +157,29 @@ def test_a_replica_killed_mid_job_runs_it_again_from_the_start_with_the_uninterr
     asyncio.run(main())
 
 
+def test_an_image_job_run_again_makes_the_image_of_an_uninterrupted_run(server_backends, tmp_path):
+    from stopcock.server.schemas import ImageParameters
+
+    params = ImageParameters(steps=12, seed=3, previews=False).model_dump()
+
+    async def main() -> None:
+        engine, registry, fleet = await killable(server_backends["image"], 2, str(tmp_path))
+        alone = await engine.submit(JobSpec("image", "a cat", params), OWNER)
+        await engine.wait(alone.id, OWNER)
+        uninterrupted = (await engine.result(alone.id, OWNER))["result"]["image"]
+        fleet.route = ["replica-1"]
+        job = await engine.submit(JobSpec("image", "a cat", params), OWNER)
+        await reach(engine, job.id, 4)
+        fleet.kill("replica-1")
+        done = await engine.wait(job.id, OWNER)
+        assert (done.state, done.step) == ("completed", 12)
+        assert (await engine.result(job.id, OWNER))["result"]["image"] == uninterrupted
+        assert await registry.placement(job.id) == "replica-0"
+        assert [e.type async for e in engine.events(job.id, OWNER)].count("requeued") == 1
+
+    asyncio.run(main())
+
+
 def test_a_job_resumed_before_runs_again_from_its_checkpoint(server_backends, tmp_path):
     async def main() -> None:
         engine, registry, fleet = await killable(server_backends["text"], 2, str(tmp_path))
