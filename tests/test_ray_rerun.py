@@ -238,7 +238,7 @@ def test_rows_of_a_batch_run_again_and_a_job_past_max_reruns_fails_saying_so(ser
             types = [e.type async for e in engine.events(job.id, OWNER)]
             assert types.count("requeued") == 1 and types.count("started") == 2
             assert [j for j, _ in fleet.sent].count(job.id) == 2
-        assert registry.holds.rows == set() and registry.reruns is not None and registry.reruns.counts == {}
+        assert registry.holds.rows == set()
         after = await engine.submit(JobSpec("text", "Hello", {**SAMPLED, "max_tokens": 4}), OWNER)  # no batch
         done = await engine.wait(after.id, OWNER)
         assert (done.state, done.step) == ("completed", 4)
@@ -347,12 +347,18 @@ def test_a_released_job_is_journaled_unclaimed_and_sent_again_after_a_restart(tm
 
     async def again() -> None:
         sent = _Never()
-        registry = await construct(JobRegistry, {"text": sent}, journal=journal, alive=lambda n: True)
+        registry = await construct(
+            JobRegistry, {"text": sent}, journal=journal, alive=lambda n: True, on_replica_loss="rerun"
+        )
         assert (await registry.get("job", OWNER)).state == "queued"
         await asyncio.wait_for(sent.called.wait(), 10)
         assert sent.jobs == ["job"]  # sent again, not left to r1
         events, _, _ = await registry.events("job", OWNER, 0, 0.0)
         assert [e.type for e in events] == ["queued", "requeued"]  # the requeued event was journaled
+        assert await registry.claim("job", "r2") == 2
+        registry.fleet.lost("r2", "is gone")  # it ran again once before the restart: the most allowed
+        view = await registry.get("job", OWNER)
+        assert view.state == "failed" and "max_reruns=1" in view.error
 
     asyncio.run(before())
     asyncio.run(restarted())

@@ -44,10 +44,10 @@ def checked_loss_policy(on_replica_loss: str, max_reruns: int) -> None:
 class Reruns:
     """Runs a lost replica's jobs again (installed as ``fleet``'s handler of a lost job): each is
     released in ``book``, journaled, and sent again by ``dispatcher``, at most ``max_reruns`` times
-    (``counts``: how often each unfinished job was). ``forget(job_id)`` drops what the holds knew of
-    the lost run (a row of a batch, a hold asked of that replica); ``preempt(kind)`` makes room for a
-    job queued again of a higher priority than a running one, as for a job resumed
-    (:meth:`.holds.Holds.preempt`)."""
+    (counted by its ``requeued`` events, which the journal keeps). ``forget(job_id)`` drops what
+    the holds knew of the lost run (a row of a batch, a hold asked of that replica);
+    ``preempt(kind)`` makes room for a job queued again of a higher priority than a running one, as
+    for a job resumed (:meth:`.holds.Holds.preempt`)."""
 
     def __init__(
         self,
@@ -64,15 +64,7 @@ class Reruns:
         self.max_reruns = max_reruns
         self.forget = forget
         self.preempt = preempt
-        self.counts: dict[str, int] = {}
         fleet.orphaned = self.orphaned
-        ended = book.on_end
-
-        def on_end(record: Record) -> None:
-            self.counts.pop(record.job.id, None)
-            ended(record)
-
-        book.on_end = on_end
 
     def orphaned(self, record: Record, replica: str, why: str) -> None:
         """``replica``, which had claimed the unfinished job, is gone (``why``): run it again, unless
@@ -83,7 +75,8 @@ class Reruns:
             job.request_stop(record.stop)  # its stop_step: the step its lost run reported last
             self.book.end(record, "stopped", record.stop, f"stopped; {lost} before applying the stop")
             return
-        reruns = self.counts.get(job.id, 0)
+        with job.lock:
+            reruns = sum(1 for e in job.events if e is not None and e.type == "requeued")
         if reruns >= self.max_reruns:
             times = f"{reruns} time{'s' if reruns != 1 else ''}"
             self.book.fail(
@@ -92,7 +85,6 @@ class Reruns:
                 " --max-reruns): it is not run again",
             )
             return
-        self.counts[job.id] = reruns + 1
         self._release(record, replica)
         from_step = 0 if job.checkpoint is None else int(job.checkpoint.steps)
         with job.lock:
