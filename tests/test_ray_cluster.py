@@ -10,7 +10,10 @@ resource per node that one replica takes, so the placement is known). What fails
   ``failed``), and Serve places the replacement on a spare node;
 - the registry killed (Serve restarts it): states, stops, results, holds and the events of running jobs
   are read back from its journal;
-- stops before a job's claim (tombstones) and ids chosen by the registry's caller across nodes.
+- stops before a job's claim (tombstones) and ids chosen by the registry's caller across nodes;
+- with ``on_replica_loss="rerun"`` (the last tests redeploy the application so), a replica killed
+  and a node removed mid-job: their jobs run again on another replica, with the text of an
+  uninterrupted run (a stop accepted just before the kill ends its job ``stopped``, not run again).
 
 Every test ends with no job left unfinished. Slow (a cluster of three nodes, replicas replaced):
 marked ``cluster``, deselected by default and run by ``make test-cluster`` (and ``make test``).
@@ -46,6 +49,7 @@ HEAD = "node:__internal_head__"
 LONG = 1000  # tokens (the most a job may ask for): a job that runs until it is stopped
 FINAL = ("stopped", "completed", "failed")
 WAIT_S = 240  # the bound of every wait for the cluster (a job's end, a registry restarted)
+RERUN_TOKENS = 200  # a greedy job long enough to remove its node mid-run
 HEAL_S = 480  # the bound of the wait for Serve's replacement of a replica (a new process loads the model)
 
 
@@ -98,6 +102,7 @@ def on_cluster(text_model_dir, tmp_path_factory, request) -> Iterator[types.Simp
             url=f"http://127.0.0.1:{port}",
             registry=serve.get_deployment_handle(REGISTRY, APP),
             logs=folder,
+            options=options,
         )
     finally:
         if connected:
@@ -379,3 +384,89 @@ def test_tombstones_and_caller_chosen_ids_work_across_nodes(on_cluster, client):
     ran_on = node_of(call(on_cluster, "placement", "runs-after-them"))
     assert ran_on in {n.node_id for n in on_cluster.workers}
     assert call(on_cluster, "settled", "runs-after-them", WAIT_S) == "ran"
+
+
+# -- on_replica_loss="rerun" (last in the file: the application is redeployed so) --------------------
+def rerun_deployed(on_cluster: Any) -> None:
+    """Redeploy the application with ``on_replica_loss="rerun"``, once (Serve replaces the registry,
+    which reads its journal back, and the model replicas, which register with it)."""
+    from dataclasses import replace
+
+    from ray import serve
+
+    from stopcock.server.ray_deploy import build
+
+    if getattr(on_cluster, "rerun", False):
+        return
+    serve.run(build(replace(on_cluster.options, on_replica_loss="rerun")), name=APP, route_prefix="/")
+    on_cluster.rerun = True
+    # a replica Serve shut down may have registered with the new registry first (its watch drops it
+    # once silent): only the live ones get requests
+    on_cluster.registry.replicas.remote("text", 2, HEAL_S).result(timeout_s=HEAL_S + WAIT_S)
+
+
+def uninterrupted(client: httpx.Client) -> dict[str, Any]:
+    """The result of a greedy job of ``RERUN_TOKENS`` tokens run alone."""
+    reference = submit(client, text_job(RERUN_TOKENS))
+    found: dict[str, Any] = client.get(f"/v1/jobs/{reference}/result", params={"wait": "true"}).json()
+    assert found["job"]["state"] == "completed"
+    return found
+
+
+def test_with_rerun_a_killed_replicas_job_runs_again_and_a_stopped_one_does_not(on_cluster, client):
+    import ray
+
+    rerun_deployed(on_cluster)
+    reference = uninterrupted(client)
+    jobs = [submit(client, text_job(RERUN_TOKENS)) for _ in range(4)]  # every lane of both replicas
+    for job in jobs:
+        wait_for_step(client, job, 1)
+    where: dict[str, list[str]] = {}
+    for job in jobs:
+        where.setdefault(call(on_cluster, "placement", job), []).append(job)
+    killed = sorted(where)[0]
+    asked, plain = where[killed]
+    accepted = call(on_cluster, "stop", asked, OWNER, "user", False)
+    assert accepted.state in ("stopping", "stopped")
+    ray.kill(ray.get_actor(killed, namespace="serve"), no_restart=True)
+
+    stopped = final(client, asked)  # applied before the kill, or ended by the registry: never run again
+    assert (stopped["state"], stopped["reason"]) == ("stopped", "user"), stopped
+    assert "requeued" not in [e["type"] for e in events(client, asked)]
+    done = final(client, plain)
+    assert (done["state"], done["step"]) == ("completed", RERUN_TOKENS), done
+    assert client.get(f"/v1/jobs/{plain}/result").json()["result"]["text"] == reference["result"]["text"]
+    seen = list(events(client, plain))
+    assert [e["type"] for e in seen].count("requeued") == 1
+    assert next(e for e in seen if e["type"] == "requeued")["replica"] == killed
+    assert call(on_cluster, "placement", plain) != killed
+    for job in [j for r, js in where.items() if r != killed for j in js]:  # the other replica's ran on
+        assert final(client, job)["state"] == "completed"
+    replicas(on_cluster)  # Serve replaced the killed replica
+
+
+def test_with_rerun_a_node_removed_mid_job_runs_its_job_again_on_another_node(on_cluster, client):
+    rerun_deployed(on_cluster)
+    reference = uninterrupted(client)
+    job = submit(client, text_job(RERUN_TOKENS))
+    wait_for_step(client, job, 3)
+    lost_replica = call(on_cluster, "placement", job)
+    lost = next(n for n in on_cluster.workers if n.node_id == node_of(lost_replica))
+    spare = on_cluster.cluster.add_node(num_cpus=1, resources={SLOT: 1})  # room for the replacement
+    on_cluster.workers.remove(lost)
+    on_cluster.cluster.remove_node(lost)  # the raylet and every process of the node: the replica with it
+    on_cluster.workers.append(spare)
+
+    done = final(client, job)
+    assert (done["state"], done["step"]) == ("completed", RERUN_TOKENS), done
+    found = client.get(f"/v1/jobs/{job}/result").json()
+    assert found["result"]["text"] == reference["result"]["text"] != ""
+    seen = list(events(client, job))
+    types = [e["type"] for e in seen]
+    assert types.count("requeued") == 1 and types.count("started") == 2
+    requeued = next(e for e in seen if e["type"] == "requeued")
+    assert (requeued["replica"], requeued["from_step"], requeued["text_kept"]) == (lost_replica, 0, 0)
+    ran_on = call(on_cluster, "placement", job)
+    assert ran_on != lost_replica and node_of(ran_on) != lost.node_id
+    assert lost_replica not in [r["name"] for r in call(on_cluster, "replicas", "text")]
+    a_job_completes(client)

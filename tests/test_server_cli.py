@@ -132,6 +132,7 @@ def test_a_blank_key_is_refused(capsys):
     [
         (["--replicas", "2"], "--replicas"),
         (["--checkpoint-dir", "/tmp", "--wait-for-resources"], "--wait-for-resources, --checkpoint-dir"),
+        (["--max-reruns", "2", "--on-replica-loss", "rerun"], "--on-replica-loss, --max-reruns"),
     ],
 )
 def test_ray_options_on_the_local_engine_are_an_error_naming_the_fix(capsys, extra, named):
@@ -140,3 +141,11 @@ def test_ray_options_on_the_local_engine_are_an_error_naming_the_fix(capsys, ext
     assert main(["--port", "0", *extra]) == 1  # before any model is loaded
     err = capsys.readouterr().err
     assert f"{named}: Ray Serve options; add --engine ray, or drop them" in err
+
+
+def test_max_reruns_without_rerun_is_an_error_naming_the_fix(capsys):
+    from stopcock.server.serve import main
+
+    assert main(["--port", "0", "--engine", "ray", "--max-reruns", "2"]) == 1  # before any cluster starts
+    err = capsys.readouterr().err
+    assert "--max-reruns bounds the re-runs of --on-replica-loss rerun: add that, or drop it" in err

@@ -19,7 +19,7 @@ from fastapi import APIRouter, Request
 
 from .contract import JobSpec, JobView
 from .deps import ApiError, EventStream, Owner, engine_of, until_done_or_gone
-from .schemas import ChatRequest, CompletionRequest, ImageRequest
+from .schemas import MIN_SAMPLING_TEMPERATURE, ChatRequest, CompletionRequest, ImageRequest
 
 __all__ = ["StopTrimmer", "finish_reason", "openai"]
 
@@ -72,6 +72,11 @@ def _model(request: Request, kind: str, asked: str | None) -> str:
             code="model_not_found",
         )
     return served["id"]
+
+
+def _repeatable(spec: JobSpec) -> bool:
+    """Whether a run of the text job again gives the same text (it is greedy, or seeded)."""
+    return spec.params["temperature"] < MIN_SAMPLING_TEMPERATURE or spec.params.get("seed") is not None
 
 
 async def _final(request: Request, spec: JobSpec, who: str) -> tuple[JobView, dict[str, Any]]:
@@ -137,13 +142,31 @@ async def _text(request: Request, body: CompletionRequest | ChatRequest, who: st
     async def events() -> AsyncIterator[str]:
         nonlocal done
         trimmer = StopTrimmer(stops)
+        streamed = sent = 0  # characters of the job's text: streamed here; sent by its current run
         if chat:
             yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
         async for event in engine.events(view.id, who):
             if event.type == "text":
-                text = trimmer.feed(event.data["text"])
-                if text:
-                    yield chunk([choice(text, None, delta=True)])
+                piece = event.data["text"]
+                sent += len(piece)
+                if sent > streamed:  # the part not streamed yet (a re-run sends its text again)
+                    text = trimmer.feed(piece[len(piece) - (sent - streamed) :])
+                    streamed = sent
+                    if text:
+                        yield chunk([choice(text, None, delta=True)])
+            elif event.type == "requeued":
+                # its model replica was lost (Ray engine): the job runs again and sends its text again
+                # from text_kept; a stream cannot take text back, so it goes on only when the re-run's
+                # text is the same (greedy, or seeded)
+                sent = event.data["text_kept"]
+                if streamed > sent and not _repeatable(spec):
+                    message = (
+                        f"the model replica running this job was lost ({event.data['why']}) and the job runs"
+                        " again, with other text than was streamed (it samples without a seed): pass a seed"
+                        " to have a stream go on through such a loss"
+                    )
+                    yield f"data: {json.dumps({'error': {'message': message, 'type': 'server_error'}})}\n\n"
+                    return
             elif event.type == "done":
                 done = True
                 if event.data["state"] == "failed":

@@ -31,6 +31,7 @@ from typing import Any
 
 from ..errors import UserError
 from .ray_engine.journal import EVENTS_KEPT
+from .ray_engine.reruns import OnReplicaLoss, checked_loss_policy
 from .ray_engine.wire import ModelSpec
 
 __all__ = ["APP_NAME", "REGISTRY", "RayOptions", "app", "build", "model_deployment", "serve_forever"]
@@ -79,6 +80,10 @@ class RayOptions:
     ``checkpoint_dir``: where a paused or preempted job's
     checkpoint is kept, a folder every model replica can read (shared across machines); None: the
     Ray object store, owned by the registry (see :mod:`~stopcock.server.ray_engine.checkpoints`).
+    ``on_replica_loss``: what becomes of the unfinished jobs of a model replica that dies or whose
+    node is removed: ``"fail"`` (they end ``failed``, with the reason), or ``"rerun"`` (queued and
+    run again, from their checkpoint if they have one, else from their start; see
+    :mod:`~stopcock.server.ray_engine.reruns`), at most ``max_reruns`` times each (past it: failed).
     """
 
     models: list[ModelSpec]
@@ -104,10 +109,13 @@ class RayOptions:
     batch_size: int = 1
     batch_wait: float = 0.0
     checkpoint_dir: str | None = None
+    on_replica_loss: OnReplicaLoss = "fail"
+    max_reruns: int = 1
 
     def __post_init__(self) -> None:
         if not self.models:
             raise ValueError("serve at least one kind of model")
+        checked_loss_policy(self.on_replica_loss, self.max_reruns)
         counts = self.replicas.values() if isinstance(self.replicas, Mapping) else [self.replicas]
         if self.concurrency < 1 or min(counts) < 1 or self.ingress_replicas < 1:
             raise ValueError("concurrency, replicas and ingress_replicas must be >= 1")
@@ -203,6 +211,8 @@ def build(options: RayOptions) -> Any:
         journal_events=options.journal_events,
         kinds=kinds,
         checkpoint_dir=options.checkpoint_dir,
+        on_replica_loss=options.on_replica_loss,
+        max_reruns=options.max_reruns,
     )
     ingress = serve.deployment(
         name=INGRESS,
@@ -265,8 +275,9 @@ def app(args: Mapping[str, Any]) -> Any:
     object store),
     ``fsync``, ``torch_threads``, ``device`` (``auto``: a GPU when the replica has one),
     ``replica_cpus``, ``replica_gpus`` (what each model replica asks for; unset: fitted to the
-    cluster), ``batch_size``, ``batch_wait_ms`` (batches of greedy text jobs). Replicas and
-    autoscaling go in the config's ``deployments``."""
+    cluster), ``batch_size``, ``batch_wait_ms`` (batches of greedy text jobs), ``on_replica_loss``
+    (``fail`` or ``rerun``), ``max_reruns``. Replicas and autoscaling go in the config's
+    ``deployments``."""
     known = {
         "text_model",
         "image_model",
@@ -289,6 +300,8 @@ def app(args: Mapping[str, Any]) -> Any:
         "replica_gpus",
         "batch_size",
         "batch_wait_ms",
+        "on_replica_loss",
+        "max_reruns",
     }
     unknown = set(args) - known
     if unknown:
@@ -311,6 +324,8 @@ def app(args: Mapping[str, Any]) -> Any:
             ("replica_cpus", float),
             ("replica_gpus", float),
             ("batch_size", int),
+            ("on_replica_loss", str),
+            ("max_reruns", int),
         ]
         if name in args
     }
@@ -382,6 +397,12 @@ def _check_resources(options: RayOptions, *, wait: bool) -> None:
     )
 
 
+def _max_reruns(args: argparse.Namespace) -> int:
+    """``--max-reruns`` (1 unless given; ``serve`` allows it only with ``--on-replica-loss rerun``)."""
+    given = getattr(args, "max_reruns", None)
+    return 1 if given is None else int(given)
+
+
 def serve_forever(args: argparse.Namespace, keys: Sequence[str], step_delay: float = 0.0) -> None:
     """Deploy on a local Ray cluster (started here) or the one at ``--ray-address``, then serve until
     Ctrl+C: every job is then stopped (reason ``"shutdown"``) and the application deleted."""
@@ -403,6 +424,8 @@ def serve_forever(args: argparse.Namespace, keys: Sequence[str], step_delay: flo
         batch_size=getattr(args, "batch_size", 1),
         batch_wait=getattr(args, "batch_wait_ms", 0.0) / 1000,
         checkpoint_dir=getattr(args, "checkpoint_dir", None),
+        on_replica_loss=getattr(args, "on_replica_loss", "fail"),
+        max_reruns=_max_reruns(args),
     )
     port = args.port or _free_port(args.host)
     started_here = args.ray_address is None

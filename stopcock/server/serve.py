@@ -127,6 +127,17 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="keep paused and preempted jobs' checkpoints in this folder, which every model replica must be"
         " able to read (default: the Ray object store)",
     )
+    ray.add_argument(
+        "--on-replica-loss", choices=("fail", "rerun"), default="fail",
+        help="what becomes of the running jobs of a model replica that dies or whose node is removed: fail"
+        " (they end failed, with the reason; default) or rerun (queued and run again, from their checkpoint"
+        " if they were paused or preempted before, else from the start)",
+    )
+    ray.add_argument(
+        "--max-reruns", type=_count, metavar="N",
+        help="with --on-replica-loss rerun: how often a job runs again at most, after which it fails"
+        " (default: 1)",
+    )
     parser.set_defaults(func=serve)
     return parser
 
@@ -185,6 +196,10 @@ def serve(args: argparse.Namespace) -> int:
             if getattr(args, "engine", "local") == "ray":
                 if getattr(args, "tp", 1) > 1:
                     raise UserError("--tp serves a sharded model on the local engine: drop --engine ray")
+                if args.max_reruns is not None and args.on_replica_loss != "rerun":
+                    raise UserError(
+                        "--max-reruns bounds the re-runs of --on-replica-loss rerun: add that, or drop it"
+                    )
                 _check(args, keys)
                 sock.close()  # Ray Serve's proxy binds the port itself: it was free a moment ago
                 from .ray_deploy import serve_forever
@@ -212,6 +227,8 @@ def _no_ray_options(args: argparse.Namespace) -> None:
             ("--replica-gpus", args.replica_gpus, None),
             ("--wait-for-resources", args.wait_for_resources, False),
             ("--checkpoint-dir", args.checkpoint_dir, None),
+            ("--on-replica-loss", args.on_replica_loss, "fail"),
+            ("--max-reruns", args.max_reruns, None),
         )
         if value != default
     ]

@@ -106,9 +106,10 @@ class Dispatcher:
 
     async def run(self, record: Record) -> str:
         """Send the job to its model deployment, and learn there if the replica that runs it dies;
-        returns what became of it: ``ran``, ``refused`` (the replica may not start it), ``failed``.
-        A job that waits for a replica again after the answer (held and queued again, or refused
-        for a job of a higher priority) is sent again."""
+        returns what became of it: ``ran``, ``refused`` (the replica may not start it), ``failed``,
+        ``lost`` (its replica died, and it was released to run again). A job that waits for a
+        replica again after the answer (held and queued again, refused for a job of a higher
+        priority, or released by its lost replica) is sent again, by this send only."""
         outcome = "failed"
         try:
             outcome = await self._send(record)
@@ -143,6 +144,8 @@ class Dispatcher:
                     if dead or not await asyncio.to_thread(self.fleet.alive, replica):
                         self.fleet.lost(replica, f"died ({type(exc).__name__})")
                     # else: unreachable for now, not dead; the watch decides if it stays silent
+                    if record.claimed_by is None and not record.final:
+                        return "lost"  # released to run again (Reruns): Dispatcher.run sends it again
                 else:
                     self.book.fail(record, "no model replica could take it", f"{type(exc).__name__}: {exc}")
                 return "failed"

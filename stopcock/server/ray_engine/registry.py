@@ -17,7 +17,8 @@ and a restart forgets everything); it keeps the latest ``journal_events`` events
 unfinished job. ``kinds`` says, for each kind, its model deployment's name, the
 replicas asked for and what each needs (``/v1/health`` and the answer to a submission for a kind
 with no ready replica name them). ``alive(name)`` says whether a replica actor lives (Ray's answer
-by default).
+by default). ``on_replica_loss``: what becomes of the unfinished jobs of a replica that is lost
+(``"fail"``, or ``"rerun"``: run again, at most ``max_reruns`` times each; see :mod:`.reruns`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from .journal import EVENTS_KEPT, Journal, Record
 from .operations import Operations
 from .records import RecordBook
 from .replicas import ReplicaSet
+from .reruns import Reruns, checked_loss_policy
 from .restore import compact_if_long, restore
 from .stops import Stops
 from .wire import Refused, detached
@@ -60,7 +62,10 @@ class JobRegistry(Operations):
         alive: Callable[[str], bool] | None = None,
         kinds: Mapping[str, Mapping[str, Any]] | None = None,
         checkpoint_dir: str | None = None,
+        on_replica_loss: str = "fail",
+        max_reruns: int = 1,
     ) -> None:
+        checked_loss_policy(on_replica_loss, max_reruns)
         self.models = dict(models)
         self.kinds = {kind: dict((kinds or {}).get(kind, {})) for kind in self.models}
         self.retain = retain
@@ -70,6 +75,11 @@ class JobRegistry(Operations):
         self.dispatcher = Dispatcher(self.models, self.book, self.fleet, self._spawn)
         self.stops = Stops(self.book, self.fleet, stop_wait)
         self.holds = Holds(self.book, self.fleet, store_for(checkpoint_dir), self.dispatcher, stop_wait)
+        self.reruns = (  # None: a lost replica's jobs fail (ReplicaSet.lost)
+            Reruns(self.book, self.fleet, self.dispatcher, max_reruns, self._forget_run, self.holds.preempt)
+            if on_replica_loss == "rerun"
+            else None
+        )
         self._jobs, self._dispatches = self.book.jobs, self.dispatcher.dispatches  # never rebound
         self.journal = _open_journal(journal, journal_dir, fsync, journal_events)
         self.restored = self._restore() if self.journal is not None else 0
@@ -209,6 +219,11 @@ class JobRegistry(Operations):
     # -- what the report calls ----------------------------------------------------------------------
     def _seen(self, replica: str) -> None:
         self.fleet.seen(replica)
+
+    def _forget_run(self, job_id: str) -> None:
+        """A job's run was lost with its replica: it is no row of a batch, and no hold is asked of it."""
+        self.holds.rows.discard(job_id)
+        self.holds.asked.discard(job_id)
 
     def _ended(self, record: Record) -> None:
         self.book.ended(record)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .journal import Record
 from .records import RecordBook
 from .wire import POLL_S, SILENT_S
 
@@ -44,6 +45,9 @@ class ReplicaSet:
         self._kind_ready: dict[str, asyncio.Event] = collections.defaultdict(asyncio.Event)
         self._pollers: dict[str, asyncio.Event] = {}
         self._started = time.monotonic()
+        #: what becomes of an unfinished job of a lost replica, ``(record, replica, why)``: it fails
+        #: (see :class:`~.reruns.Reruns` for the jobs run again)
+        self.orphaned: Callable[[Record, str, str], None] = self._fail
 
     def register(self, kind: str, replica: str, concurrency: int, validator: bytes | None) -> None:
         """A model replica of ``kind`` has started (or finds a restarted registry)."""
@@ -137,14 +141,17 @@ class ReplicaSet:
         return pending
 
     def lost(self, replica: str, why: str) -> None:
-        """``replica`` is gone: its unfinished jobs fail (they are not run again)."""
+        """``replica`` is gone: its unfinished jobs fail, or run again (:attr:`orphaned` says)."""
         self.replicas.pop(replica, None)
         self.changed.set()
         for job_id in list(self.claims.pop(replica, ())):
             record = self.jobs[job_id]
             if not record.final:
-                message = f"the model replica running this job ({replica}) {why}; the job was not run again"
-                self.book.fail(record, message)
+                self.orphaned(record, replica, why)
+
+    def _fail(self, record: Record, replica: str, why: str) -> None:
+        message = f"the model replica running this job ({replica}) {why}; the job was not run again"
+        self.book.fail(record, message)
 
     async def watch(self) -> None:
         """Every few seconds: a replica that has been silent for a while, and that Ray says is gone,
