@@ -495,3 +495,31 @@ def test_an_ingress_fetches_the_validators_as_it_starts(server_backends):
         assert (await engine.wait(job.id, OWNER, 60)).state == "completed"
 
     asyncio.run(main())
+
+
+def test_a_dead_replica_stops_counting_once_a_new_one_of_its_kind_registers(monkeypatch):
+    """A replica that died holding no job is found by the registry only by asking Ray; when a
+    replica of its kind registers (Serve's replacement, say), the registry asks about every replica
+    of that kind at once, not only about those that have been silent for long (never, here)."""
+    from stopcock.server.ray_engine import replicas
+
+    monkeypatch.setattr(replicas, "SILENT_S", float("inf"))
+    dead: set[str] = set()
+
+    async def main() -> None:
+        registry = await construct(JobRegistry, {}, alive=lambda name: name not in dead)
+        fleet = registry.fleet
+        for name in ("replica-a", "replica-b"):
+            await registry.register("text", name, 1, None)
+        dead.add("replica-b")
+
+        async def settled() -> None:
+            while "replica-b" in fleet.replicas:
+                fleet.changed.clear()
+                await fleet.changed.wait()
+
+        await registry.register("text", "replica-c", 1, None)
+        await asyncio.wait_for(settled(), 60)
+        assert sorted(fleet.replicas) == ["replica-a", "replica-c"] and fleet.ready("text") == 2
+
+    asyncio.run(main())

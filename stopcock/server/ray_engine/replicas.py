@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,6 +45,8 @@ class ReplicaSet:
         self.changed = asyncio.Event()
         self._kind_ready: dict[str, asyncio.Event] = collections.defaultdict(asyncio.Event)
         self._pollers: dict[str, asyncio.Event] = {}
+        self._arrived: set[str] = set()  # kinds a replica newly registered for, until the watch looks
+        self._arrival = asyncio.Event()
         self._started = time.monotonic()
         #: what becomes of an unfinished job of a lost replica, ``(record, replica, why)``: it fails
         #: (see :class:`~.reruns.Reruns` for the jobs run again)
@@ -51,6 +54,9 @@ class ReplicaSet:
 
     def register(self, kind: str, replica: str, concurrency: int, validator: bytes | None) -> None:
         """A model replica of ``kind`` has started (or finds a restarted registry)."""
+        if replica not in self.replicas:
+            self._arrived.add(kind)  # it may replace one that died: the watch asks Ray now
+            self._arrival.set()
         self.replicas[replica] = _Replica(replica, kind, concurrency, time.monotonic())
         self.changed.set()
         if kind not in self.validators:
@@ -156,11 +162,18 @@ class ReplicaSet:
     async def watch(self) -> None:
         """Every few seconds: a replica that has been silent for a while, and that Ray says is gone,
         takes its unfinished jobs with it (this catches the replicas whose jobs no dispatch call
-        watches, after a registry restart, and the replicas that were scaled away)."""
+        watches, after a registry restart, and the replicas that were scaled away). Once a new
+        replica of a kind has registered, every replica of that kind is asked about at the next
+        look, however recently heard of: a dead one a new one replaces then stops counting as
+        lanes (for preemption and health) without waiting to be silent for long."""
         while True:
-            await asyncio.sleep(POLL_S)  # a period, not a synchronisation
-            now = time.monotonic()
-            for replica in [r for r in self.replicas.values() if now - r.seen > SILENT_S]:
+            with contextlib.suppress(asyncio.TimeoutError):  # every POLL_S, or at once on an arrival
+                await asyncio.wait_for(self._arrival.wait(), POLL_S)
+            self._arrival.clear()
+            now, arrived = time.monotonic(), set(self._arrived)
+            self._arrived.clear()
+            suspects = [r for r in self.replicas.values() if now - r.seen > SILENT_S or r.kind in arrived]
+            for replica in suspects:
                 if not await asyncio.to_thread(self.alive, replica.name):
                     self.lost(replica.name, "is gone")
             # claimed by a replica this registry never heard of (restored from the journal)
