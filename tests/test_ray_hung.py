@@ -86,10 +86,6 @@ def replica_pid(name: str) -> int:
     return pid
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the registry's answer to a frozen caller blocks its event loop until the caller acknowledges it",
-)
 @pytest.mark.timeout(600)
 def test_a_frozen_replica_does_not_stall_the_registry(hung_app: Any) -> None:
     registry = hung_app.registry
