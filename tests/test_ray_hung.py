@@ -1,7 +1,7 @@
 """A model replica that hangs (its process frozen with ``SIGSTOP``, as a node cut off from the
 cluster looks) does not stall the Ray job registry: while it is frozen, the registry still answers
-its counts, a stop of a job on the other replica and a submission; once the replica thaws, the stop
-asked for its own job while it was frozen reaches it.
+its counts (directly, and ``/v1/health`` through the ingress) and a stop of a job on the other
+replica; once the replica thaws, the stop asked for its own job while it was frozen reaches it.
 
 The application here is a second one (``hung``, two text replicas) on the test session's local
 cluster (``ray_serve`` in conftest), so that freezing a replica leaves the shared application alone.
@@ -18,12 +18,14 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 from conftest import RAY_KEYS
 
 pytest.importorskip("ray.serve")
 
 APP = "hung"
+ALICE = {"Authorization": f"Bearer {RAY_KEYS[0]}"}
 OWNER = hashlib.sha256(RAY_KEYS[0].encode()).hexdigest()
 #: Seconds the registry has to answer while a replica is frozen: a bound on a hang, not a timing
 #: (an answer takes milliseconds; a stalled registry never answers while the replica stays frozen).
@@ -50,7 +52,7 @@ def hung_app(ray_serve: Any, text_model_dir: Any) -> Iterator[Any]:
     try:
         registry = serve.get_deployment_handle(REGISTRY, APP)
         assert len(call(registry, "replicas", "text", 2, 120.0)) == 2
-        yield types.SimpleNamespace(registry=registry)
+        yield types.SimpleNamespace(registry=registry, url=f"{ray_serve.url}/{APP}")
     finally:
         serve.delete(APP)
 
@@ -103,6 +105,8 @@ def test_a_frozen_replica_does_not_stall_the_registry(hung_app: Any) -> None:
         started = time.monotonic()
         counts = call(registry, "stats", timeout=BOUND)
         assert counts["kinds"]["text"]["ready"] == 2 and counts["running"] == 2
+        health = httpx.get(f"{hung_app.url}/v1/health", headers=ALICE, timeout=BOUND)
+        assert health.status_code == 200 and health.json()["running"] == 2, health.text
         stopped = call(registry, "stop", other_job, OWNER, "user", True, timeout=BOUND)
         assert (stopped.state, stopped.reason) == ("stopped", "user")
         assert stopped.stop_step <= stopped.step <= stopped.stop_step + 1
