@@ -10,6 +10,7 @@ cluster (``ray_serve`` in conftest), so that freezing a replica leaves the share
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
 import signal
 import time
@@ -116,3 +117,23 @@ def test_a_frozen_replica_does_not_stall_the_registry(hung_app: Any) -> None:
     # the stop asked while the replica was frozen is applied once it thaws: it was not lost
     ended = call(registry, "wait", frozen_job, OWNER, 120.0)
     assert (ended.state, ended.reason) == ("stopped", "user")
+
+
+def test_the_calls_ask_for_serves_grpc_transport_where_serve_has_one() -> None:
+    from ray.serve.handle import DeploymentHandle
+    from ray_doubles import LocalHandle
+
+    from stopcock.server.ray_engine.wire import by_grpc
+
+    class Old:  # a Serve handle without the gRPC transport
+        def options(self, *, method_name: str = "") -> Any:
+            raise AssertionError("asked for an option this Serve does not have")
+
+    class New:
+        def options(self, *, method_name: str = "", _by_reference: bool = True) -> Any:
+            return ("over gRPC", not _by_reference)
+
+    old, local = Old(), LocalHandle(object())
+    assert by_grpc(old) is old and by_grpc(local) is local
+    assert by_grpc(New()) == ("over gRPC", True)
+    assert "_by_reference" in inspect.signature(DeploymentHandle.options).parameters  # this Ray has it

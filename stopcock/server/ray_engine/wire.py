@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -153,9 +154,24 @@ def by_grpc(handle: Any) -> Any:
     caller has acknowledged its last item before it takes the next call (Ray's
     ``WaitAllObjectsReported``, ray-project/ray#44079): a caller that hangs (its process frozen, its
     node cut off) would stall the callee. A gRPC answer is written without waiting for the caller,
-    so the registry answers a hung model replica's waiting stop poll and goes on serving the others."""
+    so the registry answers a hung model replica's waiting stop poll and goes on serving the others.
+    A Serve without that transport (an older Ray) gets the handle as it is."""
     options = getattr(handle, "options", None)
-    return handle if options is None else options(_by_reference=False)
+    if options is None or not _has_grpc_transport(type(handle)):
+        return handle
+    return options(_by_reference=False)
+
+
+_GRPC_TRANSPORT: dict[type, bool] = {}
+
+
+def _has_grpc_transport(handle_type: type) -> bool:
+    """Whether the Serve handles of ``handle_type`` can send their calls over gRPC."""
+    known = _GRPC_TRANSPORT.get(handle_type)
+    if known is None:
+        options: Any = handle_type.options  # type: ignore[attr-defined]
+        known = _GRPC_TRANSPORT[handle_type] = "_by_reference" in inspect.signature(options).parameters
+    return known
 
 
 async def call(handle: Any, method: str, *args: Any, retry_for: float | None = 60.0) -> Any:
