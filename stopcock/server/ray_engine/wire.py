@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -22,7 +23,10 @@ from ..contract import (
     Unavailable,
 )
 
-__all__ = ["POLL_S", "SILENT_S", "ModelSpec", "Refused", "call", "detached", "spec_from_json", "spec_to_json"]
+__all__ = [
+    "POLL_S", "SILENT_S", "ModelSpec", "Refused", "by_grpc", "call", "detached",
+    "spec_from_json", "spec_to_json",
+]
 
 log = logging.getLogger("stopcock.server.ray")
 
@@ -142,16 +146,45 @@ def _ray_errors() -> tuple[type[Exception], ...]:
     return (RayActorError, *(getattr(serve_errors, n) for n in names if hasattr(serve_errors, n)))
 
 
+def by_grpc(handle: Any) -> Any:
+    """``handle`` (a Serve handle, or a stand-in without options) with its calls sent over Serve's
+    gRPC transport between deployments (``_by_reference=False``) rather than as Ray actor tasks.
+
+    An actor task's answer is a streaming reply, and the callee's event loop waits until the
+    caller has acknowledged its last item before it takes the next call (Ray's
+    ``WaitAllObjectsReported``, ray-project/ray#44079): a caller that hangs (its process frozen, its
+    node cut off) would stall the callee. A gRPC answer is written without waiting for the caller,
+    so the registry answers a hung model replica's waiting stop poll and goes on serving the others.
+    A Serve without that transport (an older Ray) gets the handle as it is."""
+    options = getattr(handle, "options", None)
+    if options is None or not _has_grpc_transport(type(handle)):
+        return handle
+    return options(_by_reference=False)
+
+
+_GRPC_TRANSPORT: dict[type, bool] = {}
+
+
+def _has_grpc_transport(handle_type: type) -> bool:
+    """Whether the Serve handles of ``handle_type`` can send their calls over gRPC."""
+    known = _GRPC_TRANSPORT.get(handle_type)
+    if known is None:
+        options: Any = handle_type.options  # type: ignore[attr-defined]
+        known = _GRPC_TRANSPORT[handle_type] = "_by_reference" in inspect.signature(options).parameters
+    return known
+
+
 async def call(handle: Any, method: str, *args: Any, retry_for: float | None = 60.0) -> Any:
-    """``await handle.method.remote(*args)``, asked again (with a growing pause) while the callee is
-    down or restarting, for up to ``retry_for`` seconds (None: as long as it takes). Every method
-    called this way is idempotent."""
+    """``await handle.method.remote(*args)`` over gRPC (see :func:`by_grpc`), asked again (with a
+    growing pause) while the callee is down or restarting, for up to ``retry_for`` seconds (None: as
+    long as it takes). Every method called this way is idempotent."""
     errors = _ray_errors()
     give_up = None if retry_for is None else time.monotonic() + retry_for
     pause = 0.05
+    target = by_grpc(getattr(handle, method))
     while True:
         try:
-            return await getattr(handle, method).remote(*args)
+            return await target.remote(*args)
         except errors:
             if give_up is not None and time.monotonic() > give_up:
                 raise
