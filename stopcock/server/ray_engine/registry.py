@@ -248,9 +248,13 @@ def _open_journal(journal: str | None, journal_dir: str | None, fsync: bool, eve
 
 
 def _actor_alive(name: str) -> bool:
-    """Whether the Serve replica actor ``name`` is alive (Ray frees a dead actor's name)."""
+    """Whether the Serve replica actor ``name`` is alive (Ray frees a dead actor's name); outside a
+    Ray process (the engine's parts wired in one process) there is no Ray to ask, and nothing to
+    start one for: alive."""
     import ray
 
+    if not ray.is_initialized():
+        return True
     try:
         ray.get_actor(name, namespace="serve")
     except ValueError:
