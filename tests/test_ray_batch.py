@@ -129,6 +129,9 @@ def test_concurrent_greedy_jobs_run_as_one_batch_with_the_texts_they_have_alone(
         sampled = await engine.submit(
             JobSpec("text", "Now is", {"max_tokens": 4, "temperature": 0.8, "top_p": 1.0, "seed": 3}), OWNER
         )
+        # it runs first: a greedy job reaching the replica first would take the lane and wait for
+        # a batch of ROWS while the sampled job held one of the replica's ROWS request slots
+        await step_reached(engine, sampled.id, 1)
         specs = [greedy(p, s) for p, s in zip(PROMPTS, STOPS, strict=True)]
         views = await asyncio.gather(*(engine.submit(spec, OWNER) for spec in specs))
         for view in views:

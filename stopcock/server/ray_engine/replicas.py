@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -167,8 +166,11 @@ class ReplicaSet:
         look, however recently heard of: a dead one a new one replaces then stops counting as
         lanes (for preemption and health) without waiting to be silent for long."""
         while True:
-            with contextlib.suppress(asyncio.TimeoutError):  # every POLL_S, or at once on an arrival
-                await asyncio.wait_for(self._arrival.wait(), POLL_S)
+            arrival = asyncio.ensure_future(self._arrival.wait())
+            try:  # every POLL_S, or at once on an arrival (asyncio.wait: a cancel is never swallowed)
+                await asyncio.wait({arrival}, timeout=POLL_S)
+            finally:
+                arrival.cancel()
             self._arrival.clear()
             now, arrived = time.monotonic(), set(self._arrived)
             self._arrived.clear()
