@@ -89,7 +89,10 @@ async def killable(
     """A registry (``on_replica_loss="rerun"`` unless told), ``count`` model replicas of ``backend``
     (one lane each) behind a :class:`_Killable` handle, and an engine over them."""
     options = {"on_replica_loss": "rerun", **registry_options}
-    registry = await construct(JobRegistry, {}, checkpoint_dir=checkpoint_dir, **options)
+    # all alive while they are built (then the handle's answer): never Ray's, which a test run
+    # may have started for something else, and which knows none of these replicas
+    alive = lambda name: True  # noqa: E731
+    registry = await construct(JobRegistry, {}, checkpoint_dir=checkpoint_dir, alive=alive, **options)
     spec = ModelSpec(backend.kind, name=backend.name, factory=lambda: backend)
     replicas = [
         await construct(
