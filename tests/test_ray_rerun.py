@@ -369,6 +369,36 @@ def test_a_released_job_is_journaled_unclaimed_and_sent_again_after_a_restart(tm
     asyncio.run(again())
 
 
+def test_the_count_of_re_runs_outlives_the_events_a_journal_keeps(tmp_path):
+    """With ``journal_events=0`` no ``requeued`` event survives a registry restart; the job's count of
+    re-runs does (a ``rerun`` entry, kept by compaction too), so a job re-run once already is not run
+    again after the restart when ``max_reruns=1``."""
+    from test_ray_local import _Never
+
+    journal = str(tmp_path / "registry.jsonl")
+    options: dict[str, Any] = dict(journal=journal, journal_events=0, on_replica_loss="rerun", max_reruns=1)
+
+    async def before() -> None:
+        registry = await construct(JobRegistry, {"text": _Never()}, alive=lambda n: True, **options)
+        await registry.submit("job", text(50), OWNER, 1.0)
+        assert await registry.claim("job", "r1") == 1
+        registry.fleet.lost("r1", "is gone")
+        assert (await registry.get("job", OWNER)).state == "queued"
+
+    async def restarted() -> None:
+        registry = await construct(JobRegistry, {"text": _Never()}, alive=lambda n: True, **options)
+        events, _, _ = await registry.events("job", OWNER, 0, 0.0)
+        assert "requeued" not in [e.type for e in events]  # not kept: journal_events=0
+        assert await registry.claim("job", "r2") is not None
+        registry.fleet.lost("r2", "is gone")
+        view = await registry.get("job", OWNER)
+        assert view.state == "failed" and "run again 1 time already" in view.error
+
+    asyncio.run(before())
+    asyncio.run(restarted())
+    assert '"op":"rerun"' in Journal(journal).path.read_text()  # the compaction on opening kept it
+
+
 def test_the_setting_is_checked():
     with pytest.raises(ValueError, match="on_replica_loss must be one of fail, rerun"):
         RayOptions(models=[ModelSpec("text")], on_replica_loss="retry")  # type: ignore[arg-type]

@@ -31,8 +31,8 @@ def journaled(event: JobEvent) -> bool:
 
 
 class Journal:
-    """The registry's append-only log (JSON lines): jobs submitted, claimed, held, stopped, ended,
-    forgotten, and the events of unfinished jobs.
+    """The registry's append-only log (JSON lines): jobs submitted, claimed, held, stopped, run again,
+    ended, forgotten, and the events of unfinished jobs.
 
     Each entry is written and flushed to the operating system before the registry acknowledges what
     it records, so a registry process that dies (and is restarted by Serve) reads back every stop it
@@ -155,6 +155,7 @@ class Record:
         self.asks: list[tuple[str, str]] = []  # (action, reason) for its replica: "skip", "after_item"
         self.journaled_end = False
         self.hold: dict[str, Any] | None = None  # the latest ``hold`` entry (see :mod:`.hold_log`)
+        self.reruns = 0  # the times it was run again after losing its replica (see :mod:`.reruns`)
 
     @property
     def final(self) -> bool:
@@ -180,6 +181,8 @@ class Record:
             entries.append({"op": "stop", "id": job.id, "reason": self.stop})
         if self.hold is not None and not self.journaled_end:
             entries.append(self.hold)
+        if self.reruns and not self.journaled_end:
+            entries.append({"op": "rerun", "id": job.id, "count": self.reruns})
         if not self.journaled_end and events:
             entries += [event_entry(job.id, e) for e in self.latest_events(events)]
         if self.journaled_end:

@@ -44,7 +44,8 @@ def checked_loss_policy(on_replica_loss: str, max_reruns: int) -> None:
 class Reruns:
     """Runs a lost replica's jobs again (installed as ``fleet``'s handler of a lost job): each is
     released in ``book``, journaled, and sent again by ``dispatcher``, at most ``max_reruns`` times
-    (counted by its ``requeued`` events, which the journal keeps). ``forget(job_id)`` drops what
+    (counted in its record and journaled as a ``rerun`` entry: unlike its ``requeued`` events, the
+    count outlives ``journal_events``). ``forget(job_id)`` drops what
     the holds knew of the lost run (a row of a batch, a hold asked of that replica);
     ``preempt(kind)`` makes room for a job queued again of a higher priority than a running one, as
     for a job resumed (:meth:`.holds.Holds.preempt`)."""
@@ -75,8 +76,7 @@ class Reruns:
             job.request_stop(record.stop)  # its stop_step: the step its lost run reported last
             self.book.end(record, "stopped", record.stop, f"stopped; {lost} before applying the stop")
             return
-        with job.lock:
-            reruns = sum(1 for e in job.events if e is not None and e.type == "requeued")
+        reruns = record.reruns
         if reruns >= self.max_reruns:
             times = f"{reruns} time{'s' if reruns != 1 else ''}"
             self.book.fail(
@@ -85,6 +85,7 @@ class Reruns:
                 " --max-reruns): it is not run again",
             )
             return
+        record.reruns = reruns + 1
         self._release(record, replica)
         from_step = 0 if job.checkpoint is None else int(job.checkpoint.steps)
         with job.lock:
@@ -97,7 +98,7 @@ class Reruns:
             from_step=from_step,
             checkpoint_step=None if job.checkpoint is None else from_step,
             text_kept=_text_kept(record),
-            reruns=reruns + 1,
+            reruns=record.reruns,
             max_reruns=self.max_reruns,
             position=len(self.book.queued) + 1,
         )
@@ -123,6 +124,7 @@ class Reruns:
         self.book.claims.get(replica, set()).discard(job_id)  # no entry made for the lost replica
         self.forget(job_id)
         self.book.write("claim", id=job_id, replica=None)
+        self.book.write("rerun", id=job_id, count=record.reruns)
 
     def _emit(self, record: Record, type_: str, **data: object) -> None:
         """An event of the registry's in the job's stream, journaled (a restart keeps it)."""

@@ -46,6 +46,7 @@ def restore(
         record = Record(job, sub["position"])
         record.claimed_by = parts.get("claim", {}).get("replica")
         record.stop = parts.get("stop", {}).get("reason")
+        record.reruns = int(parts.get("rerun", {}).get("count", 0))
         if record.claimed_by is not None:
             record.job.state = "stopping" if record.stop else "running"
         book.add(record)
