@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("ray")
 
-from ray_doubles import LocalHandle, construct  # tests/ is on sys.path under pytest
+from ray_doubles import LocalHandle, construct, report_hold  # tests/ is on sys.path under pytest
 
 from stopcock.server.contract import JobEvent, JobSpec, JobView
 from stopcock.server.engine import LocalEngine
@@ -387,13 +387,7 @@ def test_a_compacted_journal_keeps_the_holds(tmp_path):
         pausing = asyncio.ensure_future(registry.pause("held", OWNER))
         _, _, asks = await registry.poll("r1", [], ["held"], 0, 0, 30.0)  # answered once the pause asks
         assert asks == [("held", "hold", "paused")]
-        job = Job(sampled(), OWNER, id="held", seq=1)
-        job.state, job.step, job.total, job.started = "paused", 6, 24, 1.0
-        parcel = folder / "held.safetensors"
-        parcel.write_bytes(b"a checkpoint")
-        news = {"parcel": str(parcel), "steps": 6, "saved_steps": 0}
-        event = JobEvent(2, "paused", {"step": 6, "checkpoint_step": 6})
-        await registry.report("r1", [("held", event)], {"held": job.view().to_json()}, {"held": news})
+        parcel = await report_hold(registry, "r1", "held", sampled(), 6, folder, OWNER, total=24)
         paused = await asyncio.wait_for(pausing, 30)
         assert isinstance(paused, JobView) and paused.state == "paused"
         await registry.submit("waiting", sampled(), OWNER, 0.5)  # never claimed: paused at once

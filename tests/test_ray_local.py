@@ -13,7 +13,13 @@ import pytest
 
 pytest.importorskip("ray")
 
-from ray_doubles import LocalHandle, construct  # tests/ is on sys.path under pytest
+from ray_doubles import (  # tests/ is on sys.path under pytest
+    LocalHandle,
+    construct,
+    engine_over,
+    fleet_of,
+    report_hold,
+)
 
 from stopcock.server.backends import ImageBackend
 from stopcock.server.contract import JobEvent, JobSpec, JobStateConflict
@@ -287,23 +293,16 @@ async def replicas_over(
 ) -> tuple[RayEngine, JobRegistry, list[ModelReplica]]:
     """A registry and ``count`` model replicas of ``backend`` (one lane each), held jobs' checkpoints
     in ``checkpoint_dir``, and an engine over them."""
-    registry = await construct(JobRegistry, {}, alive=lambda name: True, checkpoint_dir=checkpoint_dir)
-    spec = ModelSpec(backend.kind, name=backend.name, factory=lambda: backend)
-    replicas = [
-        await construct(
-            ModelReplica,
-            spec,
-            step_delay=0.01,
-            torch_threads=None,
-            registry=LocalHandle(registry),
-            name=f"replica-{i}",
-            checkpoint_dir=checkpoint_dir,
-        )
-        for i in range(count)
-    ]
-    registry.models[backend.kind] = _RoundRobin(replicas)
-    engine = RayEngine(LocalHandle(registry), {backend.kind: {"id": backend.name, "description": ""}})
-    return engine, registry, replicas
+    registry, replicas = await fleet_of(backend, count, checkpoint_dir)
+    return engine_over(registry, backend, _RoundRobin(replicas)), registry, replicas
+
+
+async def alone(engine: RayEngine) -> str:
+    """The text of a sampled job run alone, from its start to its end (what a stopped and resumed
+    or re-run one must give)."""
+    job = await engine.submit(JobSpec("text", "Once upon a time", SAMPLED), OWNER)
+    _, text_ = await text_of(engine, job.id)
+    return text_
 
 
 async def text_of(engine: RayEngine, job_id: str) -> tuple[Any, str]:
@@ -316,8 +315,7 @@ def test_a_job_paused_on_one_replica_resumes_on_another_with_the_text_of_an_unin
 ):
     async def main() -> None:
         engine, registry, _ = await replicas_over(server_backends["text"], 2, str(tmp_path))
-        alone = await engine.submit(JobSpec("text", "Once upon a time", SAMPLED), OWNER)  # replica-0
-        _, uninterrupted = await text_of(engine, alone.id)
+        uninterrupted = await alone(engine)  # replica-0
         job = await engine.submit(JobSpec("text", "Once upon a time", SAMPLED), OWNER)  # replica-1
         await reach(engine, job.id, 5)
         assert await registry.placement(job.id) == "replica-1"
@@ -344,8 +342,7 @@ def test_a_job_paused_on_one_replica_resumes_on_another_with_the_text_of_an_unin
 def test_a_job_of_higher_priority_preempts_a_running_one_which_resumes_after_it(server_backends, tmp_path):
     async def main() -> None:
         engine, _, replicas = await replicas_over(server_backends["text"], 1, str(tmp_path))
-        alone = await engine.submit(JobSpec("text", "Once upon a time", SAMPLED), OWNER)
-        _, uninterrupted = await text_of(engine, alone.id)
+        uninterrupted = await alone(engine)
         low = await engine.submit(JobSpec("text", "Once upon a time", SAMPLED), OWNER)
         await reach(engine, low.id, 3)
         high = await engine.submit(JobSpec("text", "Hello", text(4).params, priority=5), OWNER)
@@ -403,13 +400,7 @@ def test_a_stop_that_crosses_a_hold_ends_the_job_which_is_not_queued_again(tmp_p
         _, _, asks = await registry.poll("r1", [], ["job"], 0, 0, 30.0)  # answered once the pause asks
         assert asks == [("job", "hold", "paused")]
         assert (await registry.stop("job", OWNER, "user", wait=False)).state == "stopping"
-        held = Job(text(50), OWNER, id="job", seq=1)
-        held.state, held.step, held.started = "paused", 2, 1.0
-        parcel = tmp_path / "held.safetensors"
-        parcel.write_bytes(b"a checkpoint")
-        news = {"parcel": str(parcel), "steps": 2, "saved_steps": 0}
-        event = JobEvent(2, "paused", {"step": 2, "checkpoint_step": 2})
-        await registry.report("r1", [("job", event)], {"job": held.view().to_json()}, {"job": news})
+        parcel = await report_hold(registry, "r1", "job", text(50), 2, tmp_path, OWNER)
         view = await asyncio.wait_for(pausing, 30)
         assert (view.state, view.reason, view.step, view.stop_step) == ("stopped", "user", 2, 2)
         assert "held" in view.outcome["detail"] and not parcel.exists()  # its checkpoint dropped

@@ -14,8 +14,8 @@ import pytest
 pytest.importorskip("ray")
 
 from ray.exceptions import ActorDiedError
-from ray_doubles import LocalHandle, construct  # tests/ is on sys.path under pytest
-from test_ray_local import OWNER, SAMPLED, reach, text, text_of
+from ray_doubles import construct, engine_over, fleet_of  # tests/ is on sys.path under pytest
+from test_ray_local import OWNER, SAMPLED, alone, reach, text, text_of
 
 from stopcock.server.contract import JobSpec
 from stopcock.server.ray_deploy import RayOptions
@@ -89,30 +89,11 @@ async def killable(
     """A registry (``on_replica_loss="rerun"`` unless told), ``count`` model replicas of ``backend``
     (one lane each) behind a :class:`_Killable` handle, and an engine over them."""
     options = {"on_replica_loss": "rerun", **registry_options}
-    # all alive while they are built (then the handle's answer): never Ray's, which a test run
-    # may have started for something else, and which knows none of these replicas
-    alive = lambda name: True  # noqa: E731
-    registry = await construct(JobRegistry, {}, checkpoint_dir=checkpoint_dir, alive=alive, **options)
-    spec = ModelSpec(backend.kind, name=backend.name, factory=lambda: backend)
-    replicas = [
-        await construct(
-            ModelReplica,
-            spec,
-            step_delay=0.01,
-            torch_threads=None,
-            registry=LocalHandle(registry),
-            name=f"replica-{i}",
-            checkpoint_dir=checkpoint_dir,
-            batch_size=batch_size,
-            batch_wait=60.0,  # a batch starts once full: both jobs are its rows
-        )
-        for i in range(count)
-    ]
+    batching = dict(batch_size=batch_size, batch_wait=60.0)  # a batch starts once full: its rows are in
+    registry, replicas = await fleet_of(backend, count, checkpoint_dir, options, **batching)
     fleet = _Killable(replicas)
     registry.fleet.alive = fleet.alive
-    registry.models[backend.kind] = fleet
-    engine = RayEngine(LocalHandle(registry), {backend.kind: {"id": backend.name, "description": ""}})
-    return engine, registry, fleet
+    return engine_over(registry, backend, fleet), registry, fleet
 
 
 async def streamed(engine: RayEngine, job_id: str) -> tuple[list[Any], str]:
@@ -133,8 +114,7 @@ def test_a_replica_killed_mid_job_runs_it_again_from_the_start_with_the_uninterr
 ):
     async def main() -> None:
         engine, registry, fleet = await killable(server_backends["text"], 2, str(tmp_path))
-        alone = await engine.submit(JobSpec("text", "Once upon a time", SAMPLED), OWNER)
-        _, uninterrupted = await text_of(engine, alone.id)
+        uninterrupted = await alone(engine)
         fleet.route = ["replica-1"]
         job = await engine.submit(JobSpec("text", "Once upon a time", SAMPLED), OWNER)
         await reach(engine, job.id, 5)
@@ -167,9 +147,9 @@ def test_an_image_job_run_again_makes_the_image_of_an_uninterrupted_run(server_b
 
     async def main() -> None:
         engine, registry, fleet = await killable(server_backends["image"], 2, str(tmp_path))
-        alone = await engine.submit(JobSpec("image", "a cat", params), OWNER)
-        await engine.wait(alone.id, OWNER)
-        uninterrupted = (await engine.result(alone.id, OWNER))["result"]["image"]
+        first = await engine.submit(JobSpec("image", "a cat", params), OWNER)
+        await engine.wait(first.id, OWNER)
+        uninterrupted = (await engine.result(first.id, OWNER))["result"]["image"]
         fleet.route = ["replica-1"]
         job = await engine.submit(JobSpec("image", "a cat", params), OWNER)
         await reach(engine, job.id, 4)
@@ -186,8 +166,7 @@ def test_an_image_job_run_again_makes_the_image_of_an_uninterrupted_run(server_b
 def test_a_job_resumed_before_runs_again_from_its_checkpoint(server_backends, tmp_path):
     async def main() -> None:
         engine, registry, fleet = await killable(server_backends["text"], 2, str(tmp_path))
-        alone = await engine.submit(JobSpec("text", "Once upon a time", SAMPLED), OWNER)
-        _, uninterrupted = await text_of(engine, alone.id)
+        uninterrupted = await alone(engine)
         fleet.route = ["replica-1", "replica-0"]  # it runs on the first, resumes on the second
         job = await engine.submit(JobSpec("text", "Once upon a time", SAMPLED), OWNER)
         await reach(engine, job.id, 5)
@@ -273,8 +252,7 @@ def test_a_job_whose_stop_was_accepted_ends_stopped_and_is_not_run_again(server_
 def test_a_job_asked_to_pause_when_its_replica_died_is_held_and_resumes_later(server_backends, tmp_path):
     async def main() -> None:
         engine, registry, fleet = await killable(server_backends["text"], 2, str(tmp_path))
-        alone = await engine.submit(JobSpec("text", "Once upon a time", SAMPLED), OWNER)
-        _, uninterrupted = await text_of(engine, alone.id)
+        uninterrupted = await alone(engine)
         fleet.route = ["replica-1"]
         job = await engine.submit(JobSpec("text", "Once upon a time", SAMPLED), OWNER)
         await reach(engine, job.id, 4)
