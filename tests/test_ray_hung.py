@@ -1,7 +1,9 @@
 """A model replica that hangs (its process frozen with ``SIGSTOP``, as a node cut off from the
 cluster looks) does not stall the Ray job registry: while it is frozen, the registry still answers
 its counts (directly, and ``/v1/health`` through the ingress) and a stop of a job on the other
-replica; once the replica thaws, the stop asked for its own job while it was frozen reaches it.
+replica; once the replica thaws, the stop asked for its own job while it was frozen reaches it. The
+same for the ingress replica, whose long poll of the registry (the feed of its event streams) the
+registry answers while it is frozen: a stream it serves gets every event once it thaws.
 
 The application here is a second one (``hung``, two text replicas) on the test session's local
 cluster (``ray_serve`` in conftest), so that freezing a replica leaves the shared application alone.
@@ -13,6 +15,7 @@ import hashlib
 import inspect
 import os
 import signal
+import threading
 import time
 import types
 import uuid
@@ -75,7 +78,9 @@ def submit(registry: Any, max_tokens: int = 1000) -> str:
 def wait_for_step(registry: Any, job_id: str, step: int) -> None:
     after = 0
     while True:
-        events, after, ended = call(registry, "events", job_id, OWNER, after, 30.0)
+        answer = call(registry, "events", job_id, OWNER, after, 30.0)
+        assert isinstance(answer, tuple), answer  # a Refused: a registry restarted without its journal
+        events, after, ended = answer
         assert not ended, f"the job ended before step {step}: {events}"
         if any(e.type == "progress" and e.data.get("step", 0) >= step for e in events):
             return
@@ -117,6 +122,54 @@ def test_a_frozen_replica_does_not_stall_the_registry(hung_app: Any) -> None:
     # the stop asked while the replica was frozen is applied once it thaws: it was not lost
     ended = call(registry, "wait", frozen_job, OWNER, 120.0)
     assert (ended.state, ended.reason) == ("stopped", "user")
+
+
+def ingress_pid() -> int:
+    """The process of the application's one ingress replica."""
+    import ray
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    ingress = [n for n in names if n.startswith(f"SERVE_REPLICA::{APP}#Ingress#")]
+    assert len(ingress) == 1, names
+    return replica_pid(ingress[0])
+
+
+@pytest.mark.timeout(600)
+def test_a_frozen_ingress_does_not_stall_the_registry_and_its_stream_loses_nothing(hung_app: Any) -> None:
+    from stopcock.server.testing import sse_data
+
+    registry = hung_app.registry
+    job_id = submit(registry)
+    wait_for_step(registry, job_id, 2)
+    seen: list[dict[str, Any]] = []
+    following = threading.Event()
+
+    def follow() -> None:  # a client of the ingress: its stream is fed by the ingress's poll
+        url = f"{hung_app.url}/v1/jobs/{job_id}/events"
+        with httpx.stream("GET", url, headers=ALICE, timeout=300) as response:
+            for event in sse_data(response.iter_lines()):
+                seen.append(event)
+                following.set()
+                if event["type"] == "done":
+                    return
+
+    client = threading.Thread(target=follow, daemon=True)
+    client.start()
+    assert following.wait(120), "no event reached the stream"
+    pid = ingress_pid()
+    os.kill(pid, signal.SIGSTOP)
+    try:  # the job's news keeps coming, and the registry answers the frozen ingress's poll with it
+        wait_for_step(registry, job_id, max(e.get("step", 0) for e in seen) + 5)
+        counts = call(registry, "stats", timeout=BOUND)
+        assert counts["running"] == 1
+        stopped = call(registry, "stop", job_id, OWNER, "user", True, timeout=BOUND)
+        assert (stopped.state, stopped.reason) == ("stopped", "user")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    client.join(120)
+    assert not client.is_alive(), "the stream never ended"
+    assert [e["seq"] for e in seen] == list(range(seen[0]["seq"], seen[0]["seq"] + len(seen)))  # none lost
+    assert (seen[-1]["type"], seen[-1]["state"], seen[-1]["reason"]) == ("done", "stopped", "user")
 
 
 def test_the_calls_ask_for_serves_grpc_transport_where_serve_has_one() -> None:
