@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import io
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -102,6 +103,20 @@ def text_job(max_tokens: int = LONG, **stop: Any) -> dict[str, Any]:
         "parameters": {"max_tokens": max_tokens},
         "stop": stop,
     }
+
+
+def first_to_run(client: httpx.Client, jobs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first of ``jobs`` to report a step (each followed on a thread of its own; the others'
+    streams end with their jobs)."""
+    pool = concurrent.futures.ThreadPoolExecutor(len(jobs))
+    try:
+        runs = {pool.submit(wait_for_step, client, job["id"], 1): job for job in jobs}
+        done, _ = concurrent.futures.wait(runs, return_when=concurrent.futures.FIRST_COMPLETED)
+        first = done.pop()
+        first.result()  # raises if that job ended before its first step
+        return runs[first]
+    finally:
+        pool.shutdown(wait=False)
 
 
 def within_one_step(view: dict[str, Any]) -> bool:
@@ -198,6 +213,27 @@ def test_a_job_of_higher_priority_preempts_the_lowest_running_one(client):
     assert (done["state"], done["step"], done["preemptions"]) == ("completed", 200, 1)
     assert done["saved_steps"] >= 1
     assert client.get(f"/v1/jobs/{other['id']}").json()["preemptions"] == 0
+
+
+def test_a_resumed_job_runs_before_the_jobs_of_its_priority_queued_after_it(client):
+    """Every text slot busy (two): a job paused and resumed goes back ahead of a job queued after it.
+    On Ray, Serve's router would hand the freed lane to the older request; the registry refuses its
+    claim and the lane goes to the resumed job."""
+    first, second = (submit(client, text_job()) for _ in range(2))
+    for job in (first, second):
+        wait_for_step(client, job["id"], 1)
+    waiting = [submit(client, text_job()) for _ in range(2)]
+    paused = client.post(f"/v1/jobs/{first['id']}/pause").json()
+    assert paused["state"] == "paused"
+    took = first_to_run(client, waiting)  # the one the freed slot took
+    behind = next(j for j in waiting if j is not took)
+    assert client.get(f"/v1/jobs/{behind['id']}").json()["state"] == "queued"
+    assert client.post(f"/v1/jobs/{first['id']}/resume").json()["state"] != "paused"
+    stopped = client.post(f"/v1/jobs/{took['id']}/stop").json()  # frees a slot: the resumed job's
+    assert stopped["state"] == "stopped"
+    wait_for_step(client, first["id"], paused["step"] + 1)
+    assert client.get(f"/v1/jobs/{behind['id']}").json()["state"] == "queued"
+    assert client.get(f"/v1/jobs/{second['id']}").json()["state"] == "running"
 
 
 def test_stop_after_the_end_reports_the_end(client):

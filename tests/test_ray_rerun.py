@@ -39,6 +39,7 @@ class _Killable:
         self.dead: set[str] = set()
         self.sent: list[tuple[str, str]] = []
         self._died = {name: asyncio.Event() for name in self.replicas}
+        self._sending = asyncio.Event()  # set at each call
 
     def alive(self, name: str) -> bool:
         return name not in self.dead
@@ -52,6 +53,7 @@ class _Killable:
             @staticmethod
             def remote(job_id: str, *args: Any) -> Any:
                 outer.sent.append((job_id, name))
+                outer._sending.set()
                 return asyncio.ensure_future(outer._call(name, job_id, *args))
 
         return _Run
@@ -81,6 +83,12 @@ class _Killable:
 
     def tell(self, name: str) -> None:
         self._died[name].set()
+
+    async def sent_twice(self, job_id: str) -> None:
+        """Once ``job_id`` has been sent a second time."""
+        while [j for j, _ in self.sent].count(job_id) < 2:
+            self._sending.clear()
+            await self._sending.wait()
 
 
 async def killable(
@@ -269,6 +277,31 @@ def test_a_job_asked_to_pause_when_its_replica_died_is_held_and_resumes_later(se
         done, result = await text_of(engine, job.id)
         assert (done.state, result) == ("completed", uninterrupted)
         assert fleet.sent[-1] == (job.id, "replica-0")
+
+    asyncio.run(main())
+
+
+def test_a_job_run_again_goes_ahead_of_a_job_queued_after_it(server_backends, tmp_path):
+    """The lost job keeps its place: a job submitted after it, waiting for the same lane, is asked
+    for first (as Serve's router would), refused, and runs after it."""
+
+    async def main() -> None:
+        engine, _, fleet = await killable(server_backends["text"], 2, str(tmp_path))
+        fleet.route = ["replica-1", "replica-0", "replica-0"]
+        lost = await engine.submit(text(50), OWNER)
+        busy = await engine.submit(text(1000), OWNER)
+        for job in (lost, busy):
+            await reach(engine, job.id, 1)
+        later = await engine.submit(text(5), OWNER)  # waits for replica-0's lane
+        fleet.kill("replica-1")  # lost is sent again: to replica-0, behind later
+        await asyncio.wait_for(fleet.sent_twice(lost.id), 30)
+        assert (await engine.stop(busy.id, OWNER)).state == "stopped"  # the lane: later is asked first
+        await rerun_reaches(engine, lost.id, 2)
+        assert (await engine.get(later.id, OWNER)).state == "queued"
+        assert (await engine.wait(lost.id, OWNER)).state == "completed"
+        assert (await engine.wait(later.id, OWNER)).state == "completed"
+        order = [j for j, _ in fleet.sent]
+        assert order == [lost.id, busy.id, later.id, lost.id, later.id]  # later refused once, sent again
 
     asyncio.run(main())
 

@@ -25,12 +25,24 @@ from .records import RecordBook
 from .replicas import ReplicaSet
 from .wire import Refused
 
-__all__ = ["Holds", "waiting"]
+__all__ = ["Holds", "ahead", "waiting"]
 
 
 def waiting(record: Record) -> bool:
     """Whether the job waits for a replica (queued, or preempted and queued again)."""
     return record.claimed_by is None and record.job.state in ("queued", PREEMPTED)
+
+
+def ahead(first: Record, then: Record) -> bool:
+    """Whether ``first`` runs before ``then`` when both wait, as in
+    :class:`~stopcock.server.queueing.RunQueue`: it has a higher priority, or the same one and, having
+    run before (held and resumed, preempted, or run again after losing its replica), it was taken
+    in first. Among jobs that never ran, the order is that of their requests, which Serve's router
+    hands out (first in, first out in practice); enforcing it here would send a job back behind the
+    others each time the router hands them out of order."""
+    if first.job.spec.priority != then.job.spec.priority:
+        return first.job.spec.priority > then.job.spec.priority
+    return first.job.started is not None and first.number < then.number
 
 
 class Holds:
@@ -159,7 +171,7 @@ class Holds:
         lanes -= len({r.claimed_by for r in rows})
         freeing = [r for r in running if r.job.state != "running" or r.job.id in self.asked]
         queue: RunQueue[Record] = RunQueue(lambda r: r.job.spec.priority)
-        for record in sorted(self._waiting(kind), key=lambda r: r.job.created):
+        for record in sorted(self._waiting(kind), key=lambda r: r.number):
             queue.put(record)
         candidates = [
             Running(r, r.job.spec.priority, r.job.started or 0.0) for r in running if r not in freeing
@@ -168,11 +180,11 @@ class Holds:
             self._ask(victim, PREEMPTED)
 
     def outranked(self, record: Record) -> bool:
-        """Whether a job of a higher priority waits for a replica of the same kind (and is being sent):
-        then a replica asking to claim ``record`` is refused, and the lane goes to that job."""
-        priority = record.job.spec.priority
+        """Whether a job that runs before ``record`` (:func:`ahead`) waits for a replica of the same
+        kind (and is being sent): then a replica asking to claim ``record`` is refused, and the lane
+        goes to that job."""
         return any(
-            r.job.spec.priority > priority and r.job.id in self.dispatcher.dispatches
+            ahead(r, record) and r.job.id in self.dispatcher.dispatches
             for r in self._waiting(record.job.spec.kind)
         )
 

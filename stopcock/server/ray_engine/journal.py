@@ -149,6 +149,7 @@ class Record:
     def __init__(self, job: Job, position: int) -> None:
         self.job = job
         self.position = position
+        self.number = 0  # its place in the order the registry took the jobs in (see RecordBook.add)
         self.claimed_by: str | None = None
         self.stop: str | None = None  # the reason, once a stop was asked
         self.stop_applied = False  # the replica said it applied the stop

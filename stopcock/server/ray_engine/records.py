@@ -5,6 +5,7 @@ are kept (a part of :class:`~stopcock.server.ray_engine.registry.JobRegistry`)."
 from __future__ import annotations
 
 import collections
+import itertools
 import secrets
 import time
 from collections.abc import Callable
@@ -39,6 +40,7 @@ class RecordBook:
         self.claims: dict[str, set[str]] = collections.defaultdict(set)  # replica -> its unfinished jobs
         self.finished: collections.deque[str] = collections.deque()
         self.on_end: Callable[[Record], None] = lambda record: None  # called once per job's end
+        self._numbers = itertools.count()
 
     def full(self) -> Refused | None:
         """The refusal of a new job while ``queue_size`` jobs wait, else None."""
@@ -47,6 +49,10 @@ class RecordBook:
         return Refused("queue_full", f"the queue is full ({self.queue_size} jobs waiting); try again later")
 
     def add(self, record: Record) -> None:
+        """Take in a new record (or one restored, in the journal's order): numbered after those
+        taken before it, the order its job keeps when it is queued again (see
+        :meth:`.holds.Holds.outranked`)."""
+        record.number = next(self._numbers)
         self.jobs[record.job.id] = record
         if not record.final and record.claimed_by is None:
             self.queued.add(record.job.id)

@@ -86,4 +86,4 @@ def compact_if_long(journal: Journal, book: RecordBook, retain: int) -> None:
     past a few entries per job kept (``retain`` finished ones and the unfinished)."""
     jobs = book.jobs
     if journal.due(8 * (retain + len(jobs))):
-        journal.rewrite([e for job_id in set(jobs) for e in jobs[job_id].entries(journal.keep_events)])
+        journal.rewrite([e for job_id in list(jobs) for e in jobs[job_id].entries(journal.keep_events)])
