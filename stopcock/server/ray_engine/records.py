@@ -18,6 +18,8 @@ from .wire import Refused
 
 __all__ = ["RecordBook", "not_found"]
 
+_NEVER = "stopped while queued: it never ran"
+
 
 class RecordBook:
     """The records (``jobs``), the ids of those waiting for a replica (``queued``, at most
@@ -81,6 +83,14 @@ class RecordBook:
         outcome = summary_of_end(state, reason, job.step, job.total, job.started, detail)
         finish(job, state, reason, outcome=outcome, error=error)
         self.ended(record)
+
+    def end_stopped(self, record: Record, reason: str) -> None:
+        """End a job no replica holds ``stopped`` for ``reason``: it never ran (a tombstone), or it
+        was held (paused, or preempted and queued again) at the step it reached, its stop_step."""
+        job = record.job
+        detail = _NEVER if job.started is None else f"stopped while {job.state}, at step {job.step}"
+        job.request_stop(reason)
+        self.end(record, "stopped", reason, detail)
 
     def fail(self, record: Record, detail: str, error: str | None = None) -> None:
         """End a job ``failed`` from the registry (``error``: ``detail`` unless given)."""

@@ -25,9 +25,6 @@ from .wire import spec_from_json
 
 __all__ = ["compact_if_long", "restore"]
 
-_NEVER = "stopped while queued: it never ran"
-
-
 def restore(
     journal: Journal,
     book: RecordBook,
@@ -69,9 +66,7 @@ def restore(
         elif record.claimed_by is not None:
             book.claims[record.claimed_by].add(job_id)
         elif record.stop is not None:  # stopped unclaimed, and the registry died before writing the end
-            detail = f"stopped while {job.state}, at step {job.step}" if job.started else _NEVER  # as Stops
-            job.request_stop(record.stop)
-            book.end(record, "stopped", record.stop, detail)
+            book.end_stopped(record, record.stop)
         elif record.job.state == PAUSED:  # held until its owner resumes it
             book.queued.discard(job_id)
         else:

@@ -12,9 +12,6 @@ from .wire import Refused
 
 __all__ = ["Stops"]
 
-_NEVER = "stopped while queued: it never ran"
-
-
 class Stops:
     """Stops and asks (skip the item, stop after it) of the jobs in ``book``, handed to their
     replicas through ``fleet``; a stop that waits answers after ``stop_wait`` seconds at most."""
@@ -36,10 +33,7 @@ class Stops:
                 record.stop = reason
                 self.book.write("stop", id=job_id, reason=reason)
             if record.claimed_by is None:
-                held = record.job.started is not None  # paused, or preempted and queued again
-                detail = f"stopped while {record.job.state}, at step {record.job.step}" if held else _NEVER
-                record.job.request_stop(record.stop)  # its stop_step: the step it reached, none
-                self.book.end(record, "stopped", record.stop, detail)
+                self.book.end_stopped(record, record.stop)
             else:
                 with record.job.lock:
                     if record.job.state == "running":
